@@ -1,0 +1,94 @@
+"""Builds a ready Scheduler from an EngineConfig: model source, device, dtype, model, pool."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl_mp.engine.model_runner import ModelRunner
+from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.models.config import ModelConfig
+from minisgl_mp.models.source import ModelSource, resolve_model
+from minisgl_mp.scheduler.req import Req
+from minisgl_mp.scheduler.scheduler import Scheduler
+from minisgl_mp.utils.device import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    source: ModelSource
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    context_len: int
+    eos_ids: frozenset[int]
+
+
+def resolve_engine(config: EngineConfig) -> tuple[EngineParts, Any | None]:
+    """Everything decided before any weight is loaded, and the tokenizer (None when the model
+    has none, e.g. dummy weights without the default model's tokenizer at hand)."""
+    source = resolve_model(config.model, config.load_format, config.tokenizer)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
+    model_config = ModelConfig.from_file(source.config_path)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, model_config.hf_dtype)
+    context_len = model_config.max_position_embeddings
+    if config.context_length is not None:
+        if config.context_length > context_len:
+            raise ValueError(f"context_length {config.context_length} exceeds the model's "
+                             f"max_position_embeddings {context_len}")
+        context_len = config.context_length
+    parts = EngineParts(source, model_config, device, dtype, context_len,
+                        eos_token_ids(source, model_config, tokenizer))
+    return parts, tokenizer
+
+
+def eos_token_ids(source: ModelSource, model_config: ModelConfig, tokenizer: Any | None) -> frozenset[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, together."""
+    ids = set(model_config.eos_token_ids)
+    gen = source.config_path.parent / "generation_config.json"
+    if source.weights_dir is not None and gen.exists():
+        with open(gen, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(int(i) for i in ids)
+
+
+def load_tokenizer(path: Path | str | None) -> Any | None:
+    if path is None or not any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def build_scheduler(config: EngineConfig, progress: bool = True) -> tuple[Scheduler, Any | None]:
+    """The scheduler with its model loaded, and the tokenizer."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    parts, tokenizer = resolve_engine(config)
+    logger.info("model %s on %s in %s, context length %d", parts.source.name, parts.device,
+                parts.dtype, parts.context_len)
+    runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
+                         parts.context_len, progress=progress)
+    make_checker = None
+    if tokenizer is not None:
+
+        def make_checker(req: Req) -> Any:
+            from minisgl_mp.detokenizer.incremental import IncrementalDetokenizer
+
+            p = req.params
+            return IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                          stop=p.stop, min_tokens=p.min_tokens,
+                                          prompt_ids=req.token_ids[-8:])
+    return Scheduler(config, runner, parts.eos_ids, make_checker), tokenizer

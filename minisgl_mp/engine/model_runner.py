@@ -1,0 +1,54 @@
+"""The model on its device with its KV pool: turns a batch into logits."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from minisgl_mp.attention.base import AttentionContext, BatchLayout
+from minisgl_mp.attention.torch_backend import TorchAttentionBackend
+from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.kvcache.pool import KVPool
+from minisgl_mp.kvcache.req_table import ReqTable
+from minisgl_mp.kvcache.sizing import plan_pool
+from minisgl_mp.layers.linear import Linear
+from minisgl_mp.models import build_model
+from minisgl_mp.models.config import ModelConfig
+from minisgl_mp.models.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
+                 device: torch.device, dtype: torch.dtype, context_len: int, progress: bool = True) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.context_len = context_len
+        self.model = build_model(source, model_config, dtype, device, progress=progress, seed=config.seed)
+        if device.type == "cpu" and config.cpu_prepack:
+            packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
+            logger.info("prepacked %d linear layers for oneDNN", packed)
+
+        mc = model_config
+        plan = plan_pool(
+            bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype),
+            page_size=config.page_size, device=device, num_pages=config.num_pages,
+            kv_cache_gb=config.kv_cache_gb, mem_fraction_static=config.mem_fraction_static,
+            max_tokens_needed=config.max_running_requests * context_len,
+        )
+        self.num_pages = plan.num_pages
+        logger.info(plan.describe(config.page_size))
+        self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
+                           mc.head_dim, dtype, device)
+        self.req_table = ReqTable(config.max_running_requests, context_len, device)
+        self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor | None) -> torch.Tensor:
+        attn = AttentionContext(self.backend, self.backend.prepare(layout))
+        return self.model(input_ids, positions, attn, logits_indices)

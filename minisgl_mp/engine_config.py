@@ -1,0 +1,65 @@
+"""What the scheduler process (or the offline engine) needs to run a model: one frozen config.
+
+Every field's default is the CLI default too (see `utils/cli.py`): one source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+CACHE_TYPES = ("radix", "naive")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("torch",)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = field(metadata=_help("model folder, Hugging Face hub id, or short name (e.g. Qwen3-0.6B)"))
+    tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
+    load_format: str = field(default="auto", metadata=_help("auto: load the checkpoint; dummy: random weights of the model's shape"))
+    dtype: str = field(default="auto", metadata=_help("auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"))
+    device: str | None = field(default=None, metadata=_help("cpu, cuda, cuda:N (default: cuda if available, else cpu)"))
+    seed: int = field(default=0, metadata=_help("seed for unseeded sampling and dummy weights"))
+    # KV cache
+    page_size: int = field(default=1, metadata=_help("tokens per KV page"))
+    num_pages: int | None = field(default=None, metadata=_help("KV pages in the pool (overrides --kv-cache-gb)"))
+    kv_cache_gb: float | None = field(default=None, metadata=_help("KV pool size in GiB on CPU (default: 4, at most a quarter of free memory)"))
+    mem_fraction_static: float = field(default=0.85, metadata=_help("on CUDA: fraction of GPU memory for weights plus KV pool"))
+    cache_type: str = field(default="radix", metadata=_help("prefix cache: radix or naive (no reuse)"))
+    # Scheduling
+    max_running_requests: int = field(default=256, metadata=_help("requests decoding at once"))
+    max_prefill_tokens: int = field(default=8192, metadata=_help("tokens prefilled in one step (longer prompts are chunked)"))
+    context_length: int | None = field(default=None, metadata=_help("max tokens per request, prompt plus output (default: the model's)"))
+    schedule_policy: str = field(default="lpm", metadata=_help("fcfs or lpm (longest prefix match, with aging)"))
+    schedule_aging_steps: int = field(default=32, metadata=_help("lpm: a request waiting this many rounds goes first"))
+    mixed_batch: bool = field(default=True, metadata=_help("run decodes in the same step as a prefill chunk"))
+    max_prefill_streak: int = field(default=2, metadata=_help("without mixed batches: prefill steps in a row before decode runs"))
+    attention_backend: str = field(default="torch", metadata=_help("attention implementation"))
+    cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack linear weights for oneDNN"))
+    num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty string")
+        check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}")
+        check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        check(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
+        check(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        check(0 < self.mem_fraction_static < 1, f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        check(self.cache_type in CACHE_TYPES, f"cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
+        check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1")
+        check(self.context_length is None or self.context_length >= 2, "context_length must be >= 2")
+        check(self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}")
+        check(self.schedule_aging_steps >= 1, "schedule_aging_steps must be >= 1")
+        check(self.max_prefill_streak >= 1, "max_prefill_streak must be >= 1")
+        check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")

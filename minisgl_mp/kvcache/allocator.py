@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Hands out pages of the KV pool. Page p owns slots [p * page_size, (p + 1) * page_size).
+
+    Free pages sit in a stack (a tensor, so handing out k pages is one slice, not k Python
+    operations). Allocation never raises for lack of room: it returns None.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=device)
+        self._num_free = num_pages
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._num_free
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        if n > self._num_free:
+            return None
+        self._num_free -= n
+        return self._stack[self._num_free : self._num_free + n].clone()
+
+    def alloc_slots(self, num_pages: int) -> torch.Tensor | None:
+        """Slots of `num_pages` fresh pages, page by page: [num_pages * page_size]."""
+        pages = self.alloc_pages(num_pages)
+        if pages is None:
+            return None
+        return (pages[:, None] * self.page_size + self._offsets).flatten()
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Give back the pages of `slots`, which must be whole pages (runs of page_size slots,
+        each run starting at a page boundary)."""
+        if slots.numel() == 0:
+            return
+        pages = slots[:: self.page_size] // self.page_size if self.page_size > 1 else slots
+        n = pages.numel()
+        if self._num_free + n > self.num_pages:
+            raise RuntimeError(
+                f"freeing {n} pages would exceed the pool of {self.num_pages} "
+                f"({self._num_free} already free): a page was freed twice"
+            )
+        self._stack[self._num_free : self._num_free + n] = pages
+        self._num_free += n
+
+    def reset(self) -> None:
+        self._stack = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64, device=self._stack.device)
+        self._num_free = self.num_pages

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V of every layer for `num_slots` tokens, on one device.
+
+    k, v: [num_layers, num_slots, num_kv_heads, head_dim]. A slot is a token position in the
+    pool; page p owns slots [p * page_size, (p + 1) * page_size).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc: [T]; k, v: [T, Hkv, D]
+        self.k[layer_id].index_copy_(0, loc, k)
+        self.v[layer_id].index_copy_(0, loc, v)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

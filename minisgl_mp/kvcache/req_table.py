@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import torch
+
+
+class ReqTable:
+    """The page table: per running-request slot, the KV slot of each of its token positions.
+
+    table[r, i] is where token i of the request in row r keeps its KV. Rows are handed out
+    and taken back as requests start and finish.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.max_context_len = max_context_len
+        self._free = list(range(max_reqs - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)

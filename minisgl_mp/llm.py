@@ -1,0 +1,76 @@
+"""The offline engine: the scheduler in-process, no sockets. Tests and benchmarks drive it."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from minisgl_mp.engine.builder import build_scheduler
+from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.scheduler, self.tokenizer = build_scheduler(self.config, progress=False)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[dict[str, Any]]:
+        from minisgl_mp.detokenizer.incremental import IncrementalDetokenizer
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+
+        rids, detoks, results = [], {}, {}
+        for prompt, p in zip(prompts, params_list):
+            rid = f"offline-{next(self._ids)}"
+            ids = self.encode(prompt)
+            self.scheduler.add_request(rid, ids, p)
+            rids.append(rid)
+            if self.tokenizer is not None:
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                                     stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-8:])
+            results[rid] = {"token_ids": [], "logprobs": []}
+
+        while self.scheduler.has_work:
+            for out in self.scheduler.step():
+                res = results[out.rid]
+                res["token_ids"].extend(out.new_token_ids)
+                res["logprobs"].extend(out.logprobs)
+                if out.rid in detoks:
+                    detoks[out.rid].push(out.new_token_ids)
+                if out.finished:
+                    res.update(finish_reason=out.finish_reason, matched_stop=out.matched_stop,
+                               usage={"prompt_tokens": out.prompt_tokens,
+                                      "completion_tokens": out.completion_tokens,
+                                      "cached_tokens": out.cached_tokens})
+        for rid in rids:
+            d = detoks.get(rid)
+            if d is not None:
+                d.finish()
+            results[rid]["text"] = d.text if d is not None else None
+        return [results[rid] for rid in rids]
+
+    def shutdown(self) -> None:
+        self.scheduler = None  # type: ignore[assignment]
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,66 @@
+"""One forward's worth of work: which requests run how many tokens, as tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl_mp.attention.base import BatchLayout, ForwardMode
+from minisgl_mp.scheduler.req import Req
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    reqs: list[Req]
+    extend_lens: list[int]
+    # Per request: does this forward finish its extension, so a token is sampled from it?
+    # (False for a chunk of a prompt that goes on in a later step.)
+    sampled: list[bool]
+    # Per request: is this a prefill (or a prefill chunk), rather than a one-token decode?
+    prefill: list[bool]
+    layout: BatchLayout
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor  # rows of the batch's tokens that give the sampled logits
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for n, p in zip(self.extend_lens, self.prefill) if p)
+
+    @property
+    def sampled_reqs(self) -> list[Req]:
+        return [r for r, s in zip(self.reqs, self.sampled) if s]
+
+
+def build_batch(entries: list[tuple[Req, int, bool, torch.Tensor]], device: torch.device) -> ScheduledBatch:
+    """entries: (request, tokens to run, is_prefill, their KV slots) in batch order."""
+    reqs, lens, prefill, ids, pos, locs, sampled, logit_rows = [], [], [], [], [], [], [], []
+    offset = 0
+    for req, n, is_prefill, out_loc in entries:
+        start = req.cached_len
+        reqs.append(req)
+        lens.append(n)
+        prefill.append(is_prefill)
+        ids.extend(req.token_ids[start : start + n])
+        pos.extend(range(start, start + n))
+        locs.append(out_loc)
+        done = start + n == req.seq_len
+        sampled.append(done)
+        offset += n
+        if done:
+            logit_rows.append(offset - 1)
+    mode = ForwardMode.EXTEND if any(prefill) else ForwardMode.DECODE
+    layout = BatchLayout(
+        mode=mode,
+        req_slots=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
+        cached_lens=tuple(r.cached_len for r in reqs),
+        extend_lens=tuple(lens),
+        out_loc=torch.cat(locs),
+    )
+    return ScheduledBatch(
+        reqs=reqs, extend_lens=lens, sampled=sampled, prefill=prefill, layout=layout,
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+    )

@@ -1,0 +1,30 @@
+"""The order in which waiting requests are considered for admission."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl_mp.kvcache.base import BasePrefixCache
+from minisgl_mp.scheduler.req import Req
+
+# Matching every waiting request each round costs a tree walk each; past this many waiting
+# requests longest-prefix-match falls back to arrival order (SGLang does the same).
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting(waiting: list[Req], policy: str, cache: BasePrefixCache, aging_steps: int) -> list[Req]:
+    """fcfs: arrival order (retracted requests were put back at the front).
+    lpm: requests that waited `aging_steps` rounds first, in arrival order, so a cache-cold
+    request is not starved by a stream of cache-hot ones; then longest cached prefix first."""
+    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
+        return list(waiting)
+    aged = [r for r in waiting if r.waited_rounds >= aging_steps]
+    fresh = [r for r in waiting if r.waited_rounds < aging_steps]
+
+    def hit(r: Req) -> int:
+        ids = torch.tensor(r.token_ids[: r.seq_len - 1], dtype=torch.int64)
+        return cache.match_prefix(ids).handle.cached_len
+
+    hits = {id(r): hit(r) for r in fresh}
+    fresh.sort(key=lambda r: -hits[id(r)])  # stable: ties keep arrival order
+    return aged + fresh

@@ -1,0 +1,98 @@
+"""A request as the scheduler sees it: its tokens, where their KV lives, and why it ended."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl_mp.kvcache.base import CacheHandle
+from minisgl_mp.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, the context length, or the KV pool's capacity
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top alternatives at one step."""
+
+    token_logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+class Req:
+    """KV bookkeeping, in named lengths over `token_ids` (prompt, then output):
+
+        [0, handle.cached_len)          KV owned by the prefix cache, locked through `handle`
+        [handle.cached_len, alloc_len)  KV slots this request allocated itself (whole pages)
+        [0, cached_len)                 tokens whose KV has been computed (or matched)
+        [cached_len, seq_len)           tokens still to run through the model (`extend_len`)
+
+    `row` is the request's row in the page table while it holds KV; None while it waits.
+    """
+
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, max_seq_len: int,
+                 eos_ids: frozenset[int], stop_checker: Any | None = None) -> None:
+        self.rid = rid
+        self.token_ids = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.params = params
+        # Generation ends with LENGTH when seq_len reaches this (context, max_tokens, pool).
+        self.max_seq_len = max_seq_len
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        # An IncrementalDetokenizer when the request has stop strings.
+        self.stop_checker = stop_checker
+
+        self.row: int | None = None
+        self.handle: CacheHandle | None = None
+        self.cached_len = 0
+        self.alloc_len = 0
+
+        self.prefix_hit_len: int | None = None  # cache hit at first admission (usage.cached_tokens)
+        self.waited_rounds = 0
+        self.num_retractions = 0
+        self.finish_reason: FinishReason | None = None
+        self.matched_stop: int | str | None = None
+        self.logprobs: list[TokenLogprobs] = []
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_len(self) -> int:
+        return self.seq_len - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def extend_len(self) -> int:
+        return self.seq_len - self.cached_len
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens this request may still generate."""
+        return self.max_seq_len - self.seq_len
+
+    @property
+    def cache_len(self) -> int:
+        return self.handle.cached_len if self.handle is not None else 0
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.row is not None and self.extend_len == 1 and self.output_len > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"Req({self.rid!r}, seq_len={self.seq_len}, cached_len={self.cached_len}, "
+                f"output_len={self.output_len}, row={self.row})")

@@ -1,0 +1,317 @@
+"""Continuous batching over the paged KV pool and the prefix cache.
+
+One call to `step()` reads aloud: schedule -> forward -> sample -> process results.
+Requests join and leave between steps. Decodes run in every step (with a prefill chunk beside
+them when `mixed_batch` is on), prefill chunks are bounded by `max_prefill_tokens`, admission
+estimates future growth instead of reserving `max_tokens`, and when decode runs out of pages the
+requests with the least generated so far are retracted and later resumed by recomputation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from minisgl_mp.engine.model_runner import ModelRunner
+from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.kvcache.allocator import PageAllocator
+from minisgl_mp.kvcache.base import create_prefix_cache
+from minisgl_mp.sampling_params import SamplingParams
+from minisgl_mp.scheduler.batch import ScheduledBatch, build_batch
+from minisgl_mp.scheduler.cache_manager import CacheManager
+from minisgl_mp.scheduler.policy import order_waiting
+from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
+from minisgl_mp.scheduler.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+# Admission assumes a request generates about `ratio` of what it may still generate (capped
+# per request); the ratio decays while nothing is retracted and jumps back up when something is.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.15
+NEW_TOKEN_RATIO_DECAY = 0.002
+ESTIMATE_CAP_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ReqOutput:
+    """What one step produced for one request."""
+
+    rid: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens actually run through the model as prefill
+    decode_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    retractions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, eos_ids: frozenset[int],
+                 make_stop_checker: Callable[[Req], Any] | None = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.device = runner.device
+        self.context_len = runner.context_len
+        self.eos_ids = eos_ids
+        self.make_stop_checker = make_stop_checker
+        allocator = PageAllocator(runner.num_pages, config.page_size, self.device)
+        cache = create_prefix_cache(config.cache_type, config.page_size, self.device)
+        self.kv = CacheManager(allocator, cache, runner.req_table)
+        self.sampler = Sampler(runner.model_config.vocab_size, self.device, config.seed)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.stats = SchedulerStats()
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._prefill_streak = 0
+        self._pending_outputs: list[ReqOutput] = []
+
+    # ---- intake -----------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError (naming what is wrong) for one that cannot run."""
+        if rid in self.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.runner.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_len}, "
+                "which must leave room for at least one generated token"
+            )
+        pool_tokens = self.kv.allocator.num_slots
+        if len(prompt_ids) >= pool_tokens:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV pool holds only {pool_tokens}")
+        max_seq_len = min(self.context_len, len(prompt_ids) + params.max_tokens, pool_tokens)
+        req = Req(rid, prompt_ids, params, max_seq_len, self.eos_ids)
+        if params.stop and self.make_stop_checker is not None:
+            req.stop_checker = self.make_stop_checker(req)
+        self.reqs[rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request wherever it is, freeing its KV. False if the id is unknown."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req)
+        else:
+            self.waiting.remove(req)
+        req.finish_reason = FinishReason.ABORT
+        self.stats.aborted += 1
+        self._pending_outputs.append(self._output(req, [], []))
+        del self.reqs[rid]
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_outputs)
+
+    # ---- the loop body --------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self._schedule()
+        if batch is None:
+            return outputs
+        logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
+        result = self.sampler.sample(logits, batch.sampled_reqs) if batch.sampled_reqs else None
+        outputs.extend(self._process(batch, result))
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch | None:
+        decodes = [r for r in self.running if r.is_decoding]
+        prefill_work = len(decodes) < len(self.running) or bool(self.waiting)
+        run_prefill = prefill_work and (
+            self.config.mixed_batch or not decodes or self._prefill_streak < self.config.max_prefill_streak
+        )
+        run_decode = bool(decodes) and (self.config.mixed_batch or not run_prefill)
+        entries: list[tuple[Req, int, bool, torch.Tensor]] = []
+        if run_decode:
+            entries += self._schedule_decode()
+        if run_prefill:
+            entries += self._schedule_prefill()
+        prefill_scheduled = any(is_prefill for _, _, is_prefill, _ in entries)
+        self._prefill_streak = self._prefill_streak + 1 if prefill_scheduled else 0
+        if not entries:
+            return None
+        return build_batch(entries, self.device)
+
+    def _schedule_decode(self) -> list[tuple[Req, int, bool, torch.Tensor]]:
+        # Retract until every decoding request can get the slot for its next token.
+        while True:
+            decodes = [r for r in self.running if r.is_decoding]
+            pages = sum(self.kv.pages_for(r, 1) for r in decodes)
+            if pages * self.kv.page_size <= self.kv.available_tokens or not decodes:
+                break
+            self._retract_one()
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        entries = []
+        for r in decodes:
+            loc = self.kv.reserve(r, 1)
+            if loc is None:  # cannot happen after the check above
+                raise RuntimeError(f"no KV slot for {r!r} after retraction")
+            entries.append((r, 1, False, loc))
+        return entries
+
+    def _retract_one(self) -> None:
+        # Fewest generated tokens first (least work lost), then the longest (most memory back).
+        self._retract(min(self.running, key=lambda r: (r.output_len, -r.seq_len)))
+
+    def _retract(self, victim: Req) -> None:
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.num_retractions += 1
+        victim.waited_rounds = self.config.schedule_aging_steps  # resumes first
+        self.waiting.appendleft(victim)
+        self.stats.retractions += 1
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, INIT_NEW_TOKEN_RATIO) + 0.1)
+        logger.info("KV pool full: retracted %s (%d tokens generated), will resume later",
+                    victim.rid, victim.output_len)
+
+    def _future_tokens(self, req: Req) -> int:
+        """Tokens `req` will still need beyond its current KV: the rest of its prompt plus an
+        estimate of its output."""
+        rest = max(0, req.seq_len - max(req.cached_len, req.alloc_len))
+        return rest + int(min(req.remaining_tokens, ESTIMATE_CAP_TOKENS) * self.new_token_ratio)
+
+    def _schedule_prefill(self) -> list[tuple[Req, int, bool, torch.Tensor]]:
+        budget = self.config.max_prefill_tokens
+        entries = []
+        # Prompts already under way (chunked prefill, resumed requests) continue first.
+        for r in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
+                break
+            n = min(r.extend_len, budget)
+            loc = self.kv.reserve(r, n)
+            if loc is None:
+                # Out of pages mid-prompt: step back rather than hold KV that cannot grow. Its
+                # computed prefix stays in the cache, so resuming usually recomputes little.
+                self._retract(r)
+                continue
+            entries.append((r, n, True, loc))
+            budget -= n
+        reserved = sum(self._future_tokens(r) for r in self.running)
+        admitted: list[Req] = []
+        ordered = order_waiting(list(self.waiting), self.config.schedule_policy, self.kv.cache,
+                                self.config.schedule_aging_steps)
+        for r in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if not self.kv.admit(r):
+                break
+            n = min(r.extend_len, budget)
+            loc = None
+            if self._future_tokens(r) + reserved <= self.kv.available_tokens or not self.running:
+                loc = self.kv.reserve(r, n)
+            if loc is None:
+                self.kv.release(r, keep_in_cache=False)
+                break
+            reserved += self._future_tokens(r)
+            if r.prefix_hit_len is None:
+                r.prefix_hit_len = r.cached_len
+            self.stats.cached_prompt_tokens += r.cached_len
+            self.running.append(r)
+            admitted.append(r)
+            entries.append((r, n, True, loc))
+            budget -= n
+        for r in admitted:
+            self.waiting.remove(r)
+        for r in self.waiting:
+            r.waited_rounds += 1
+        return entries
+
+    def _process(self, batch: ScheduledBatch, result: Any) -> list[ReqOutput]:
+        self.stats.steps += 1
+        self.stats.prefill_tokens += batch.num_prefill_tokens
+        self.stats.decode_tokens += sum(n for n, p in zip(batch.extend_lens, batch.prefill) if not p)
+        outputs = []
+        k = 0
+        for req, n, sampled, prefill in zip(batch.reqs, batch.extend_lens, batch.sampled, batch.prefill):
+            req.cached_len += n
+            if not sampled:
+                continue
+            token, lp = result.token_ids[k], result.logprobs[k]
+            k += 1
+            if prefill and req.cached_len - req.cache_len >= self.kv.page_size:
+                self.kv.cache_prefix(req)
+            req.token_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            self._check_finished(req, token)
+            outputs.append(self._output(req, [token], [lp] if lp is not None else []))
+            if req.finished:
+                self.running.remove(req)
+                self.kv.release(req)
+                del self.reqs[req.rid]
+                self.stats.finished += 1
+        return outputs
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        past_min = req.output_len >= req.params.min_tokens
+        if token in req.stop_ids and past_min:
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
+        elif req.stop_checker is not None:
+            req.stop_checker.push([token])
+            if req.stop_checker.matched_stop is not None:
+                req.finish_reason, req.matched_stop = FinishReason.STOP, req.stop_checker.matched_stop
+        if req.finish_reason is None and req.seq_len >= req.max_seq_len:
+            req.finish_reason = FinishReason.LENGTH
+
+    def _output(self, req: Req, new_ids: list[int], lps: list[TokenLogprobs]) -> ReqOutput:
+        return ReqOutput(
+            rid=req.rid, new_token_ids=new_ids, logprobs=lps, finished=req.finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
+            completion_tokens=req.output_len, cached_tokens=req.prefix_hit_len or 0,
+        )
+
+    # ---- health and admin -------------------------------------------------------------------------
+    def private_tokens(self) -> int:
+        return sum(r.alloc_len - r.cache_len for r in self.running)
+
+    def check_health(self) -> None:
+        """Raises if any KV slot is unaccounted for or the prefix cache is inconsistent."""
+        self.kv.check_health(self.private_tokens())
+        if not self.running and self.kv.cache.size_info.protected_tokens:
+            raise RuntimeError(
+                f"idle, yet {self.kv.cache.size_info.protected_tokens} cached tokens are still locked"
+            )
+
+    def flush_cache(self) -> int:
+        if self.running or self.waiting:
+            raise RuntimeError(f"cannot flush the cache while {len(self.running) + len(self.waiting)} requests run")
+        return self.kv.flush()
+
+    def engine_stats(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            **self.kv.stats(),
+            "running": len(self.running), "waiting": len(self.waiting),
+            "steps": s.steps, "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens, "retractions": s.retractions,
+            "finished": s.finished, "aborted": s.aborted,
+        }
