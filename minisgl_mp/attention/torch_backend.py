@@ -60,7 +60,10 @@ class TorchAttentionBackend(AttentionBackend):
             mask = None
             if min(seq_lens) != max_len:
                 lens = torch.tensor(seq_lens, device=device)
-                mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+                valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+                # Past a request's length the table holds stale slots: read the zero pad slot.
+                kv_index = kv_index.masked_fill(~valid, self.pool.pad_slot)
+                mask = valid[:, None, None, :]
             return _DecodeMeta(layout.out_loc, kv_index, mask)
 
         seqs = []

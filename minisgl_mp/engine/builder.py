@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from minisgl_mp.engine.model_runner import ModelRunner
+from minisgl_mp.engine.tokenizer import load_tokenizer
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource, resolve_model
@@ -19,7 +19,6 @@ from minisgl_mp.scheduler.scheduler import Scheduler
 from minisgl_mp.utils.device import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -62,14 +61,6 @@ def eos_token_ids(source: ModelSource, model_config: ModelConfig, tokenizer: Any
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(int(i) for i in ids)
-
-
-def load_tokenizer(path: Path | str | None) -> Any | None:
-    if path is None or not any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def build_scheduler(config: EngineConfig, progress: bool = True) -> tuple[Scheduler, Any | None]:

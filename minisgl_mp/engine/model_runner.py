@@ -13,7 +13,7 @@ from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.kvcache.sizing import plan_pool
 from minisgl_mp.layers.linear import Linear
-from minisgl_mp.models import build_model
+from minisgl_mp.models.registry import build_model
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource
 

@@ -6,8 +6,11 @@ import torch
 class KVPool:
     """K and V of every layer for `num_slots` tokens, on one device.
 
-    k, v: [num_layers, num_slots, num_kv_heads, head_dim]. A slot is a token position in the
-    pool; page p owns slots [p * page_size, (p + 1) * page_size).
+    k, v: [num_layers, num_slots + 1, num_kv_heads, head_dim]. A slot is a token position in the
+    pool; page p owns slots [p * page_size, (p + 1) * page_size). The extra slot `pad_slot` is
+    all zeros and never handed out: padded reads point there. The rest is left uninitialised
+    (allocating gigabytes stays instant), which is safe because attention reads only slots
+    that were written, or the pad slot.
     """
 
     def __init__(
@@ -19,10 +22,13 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, num_slots].zero_()
+        self.v[:, num_slots].zero_()
         self.num_slots = num_slots
+        self.pad_slot = num_slots
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T]; k, v: [T, Hkv, D]

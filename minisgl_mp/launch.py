@@ -1,0 +1,224 @@
+"""`python -m minisgl_mp.launch --model <folder | hub id | short name>`: start the server.
+
+The launcher resolves the model, makes a private directory for the internal sockets, starts
+the tokenizer, scheduler and detokenizer processes, waits until each says it is ready, prints
+one line with the endpoints, then supervises: if any process dies, it stops the others and
+exits non-zero naming which died and why. SIGINT and SIGTERM stop everything within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.models.config import ModelConfig
+from minisgl_mp.models.source import ModelNotFoundError, resolve_model
+from minisgl_mp.server_config import ModelInfo, ServerArgs, ServerConfig
+from minisgl_mp.utils.cli import add_dataclass_args, dataclass_from_args
+from minisgl_mp.utils.process import read_status, setup_logging
+
+logger = logging.getLogger("minisgl_mp.launch")
+STOP_GRACE_S = 5.0
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerArgs]:
+    parser = argparse.ArgumentParser(prog="python -m minisgl_mp.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(parser, EngineConfig, "engine")
+    add_dataclass_args(parser, ServerArgs, "server")
+    args = parser.parse_args(argv)
+    try:
+        return dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerArgs, args)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def resolve_model_info(engine: EngineConfig, server: ServerArgs) -> ModelInfo:
+    source = resolve_model(engine.model, engine.load_format, engine.tokenizer)
+    cfg = ModelConfig.from_file(source.config_path)
+    context_len = cfg.max_position_embeddings
+    if engine.context_length is not None:
+        if engine.context_length > context_len:
+            raise StartupError(f"--context-length {engine.context_length} exceeds the model's "
+                               f"max_position_embeddings {context_len}")
+        context_len = engine.context_length
+    if source.tokenizer_dir is None:
+        raise StartupError(f"model {engine.model!r} has no tokenizer; pass --tokenizer <folder>")
+    return ModelInfo(name=server.served_model_name or engine.model, config_path=str(source.config_path),
+                     tokenizer_dir=str(source.tokenizer_dir), context_len=context_len, vocab_size=cfg.vocab_size)
+
+
+def pick_port(host: str, port: int, what: str) -> int:
+    """Check that `port` is free on `host` (0: choose a free one), for a clear error up front."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"{what} port {port} on {host} is not available: {e.strerror}") from None
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    process: Any  # multiprocessing.Process
+    status: Connection
+    ready: bool = False
+    error: str | None = None
+
+
+class Launcher:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.children: list[Child] = []
+        self._stop_reason: str | None = None
+        self._wakeup_r, self._wakeup_w = os.pipe()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stop_reason = signal.Signals(signum).name
+        os.write(self._wakeup_w, b"x")
+
+    def start(self) -> None:
+        from minisgl_mp.detokenizer.process import run_detokenizer_process
+        from minisgl_mp.scheduler.process import run_scheduler_process
+        from minisgl_mp.tokenizer.process import run_tokenizer_process
+
+        ctx = mp.get_context("spawn")
+        targets: list[tuple[str, Callable[..., None]]] = [
+            ("scheduler", run_scheduler_process),
+            ("detokenizer", run_detokenizer_process),
+            ("tokenizer", run_tokenizer_process),
+        ]
+        for name, target in targets:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(self.config, writer), name=f"minisgl_mp-{name}", daemon=False)
+            proc.start()
+            writer.close()
+            self.children.append(Child(name, proc, reader))
+
+    def _poll_status(self) -> None:
+        for c in self.children:
+            while (event := read_status(c.status)) is not None:
+                if event.get("event") == "ready":
+                    c.ready = True
+                elif event.get("event") == "error":
+                    c.error = event.get("message")
+
+    def _dead(self) -> Child | None:
+        self._poll_status()
+        return next((c for c in self.children if not c.process.is_alive()), None)
+
+    def _wait(self, timeout: float) -> None:
+        objs: list[Any] = [c.process.sentinel for c in self.children] + [c.status for c in self.children]
+        ready = wait(objs + [self._wakeup_r], timeout)
+        if self._wakeup_r in ready:
+            os.read(self._wakeup_r, 64)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.server.startup_timeout
+        while True:
+            if self._stop_reason:
+                raise StartupError(f"interrupted by {self._stop_reason} during start-up")
+            dead = self._dead()
+            if dead is not None:
+                raise StartupError(f"{dead.name} process failed to start: {self._why(dead)}")
+            if all(c.ready for c in self.children):
+                return
+            if time.monotonic() > deadline:
+                slow = ", ".join(c.name for c in self.children if not c.ready)
+                raise StartupError(f"not ready after {self.config.server.startup_timeout:.0f}s: {slow}")
+            self._wait(0.5)
+
+    def supervise(self) -> int:
+        """Until a signal (exit 0) or a child's death (exit 1)."""
+        while True:
+            if self._stop_reason:
+                logger.info("received %s, shutting down", self._stop_reason)
+                return 0
+            dead = self._dead()
+            if dead is not None:
+                logger.error("%s process died (%s); stopping the server", dead.name, self._why(dead))
+                return 1
+            self._wait(1.0)
+
+    def _why(self, c: Child) -> str:
+        self._poll_status()
+        code = c.process.exitcode
+        if c.error:
+            return c.error
+        if code is not None and code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stop(self) -> None:
+        alive = [c for c in self.children if c.process.is_alive()]
+        for c in alive:
+            c.process.terminate()  # SIGTERM: each loop notices within ~0.1 s
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in alive:
+            c.process.join(max(0.0, deadline - time.monotonic()))
+        for c in self.children:
+            if c.process.is_alive():
+                logger.warning("%s process did not stop in %.0fs; killing it", c.name, STOP_GRACE_S)
+                c.process.kill()
+                c.process.join(2.0)
+        shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    engine, server = parse_args(argv)
+    setup_logging(server.log_level, "launch")
+    ipc_dir = None
+    launcher = None
+    try:
+        model = resolve_model_info(engine, server)
+        http_port = pick_port(server.host, server.port, "HTTP") if server.enable_http else server.port
+        server = replace(server, port=http_port, zmq_port=pick_port(server.host, server.zmq_port, "ZMQ"))
+        if server.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("serving on %s: reachable from other machines%s", server.host,
+                           "" if server.api_key else " without --api-key")
+        ipc_dir = tempfile.mkdtemp(prefix="minisgl_mp-")  # mode 0700, unique per server
+        config = ServerConfig(engine=engine, server=server, model=model, ipc_dir=ipc_dir)
+        launcher = Launcher(config)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, launcher._on_signal)
+        launcher.start()
+        launcher.wait_ready()
+    except (StartupError, ModelNotFoundError, ValueError, OSError) as e:
+        logger.error("failed to start: %s", e)
+        if launcher is not None:
+            launcher.stop()
+        elif ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        return 1
+    endpoints = f"zmq {config.zmq_endpoint}" + (f", http {config.http_url}" if server.enable_http else "")
+    print(f"minisgl_mp ready: model {model.name}, {endpoints} (pid {os.getpid()})", flush=True)
+    code = 1
+    try:
+        code = launcher.supervise()
+    finally:
+        launcher.stop()
+    logger.info("stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The scheduler process: receive -> schedule -> forward -> process results -> send."""
+
+from __future__ import annotations
+
+import logging
+import time
+from multiprocessing.connection import Connection
+
+import zmq
+
+from minisgl_mp.message.messages import (
+    DETOKENIZER_CHANNEL, SCHEDULER_CHANNEL, AbortReq, AdminReply, AdminReq, BatchTokenOut,
+    DetokParams, GenerateReq, LogprobEntry, ReqError, ShutdownReq, TokenOut,
+)
+from minisgl_mp.message.transport import PullQueue, PushQueue
+from minisgl_mp.sampling_params import SamplingParams
+from minisgl_mp.scheduler.scheduler import ReqOutput, Scheduler
+from minisgl_mp.server_config import ServerConfig
+from minisgl_mp.utils.process import StatusPipe, StopFlag, child_main
+
+logger = logging.getLogger("minisgl_mp.scheduler")
+
+IDLE_POLL_MS = 100  # how often an idle loop looks at the stop flag
+HEALTH_CHECK_INTERVAL_S = 5.0
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.outbox = outbox
+        self._detok: dict[str, DetokParams] = {}  # sent with each request's first output
+        self._last_health_check = 0.0
+        self.health_error: str | None = None
+
+    def run_once(self) -> bool:
+        """One turn of the loop; returns False when told to shut down."""
+        for msg in self._receive():
+            if isinstance(msg, ShutdownReq):
+                logger.info("shutdown requested: %s", msg.reason)
+                return False
+            self._handle(msg)
+        outputs = self.scheduler.step()
+        if outputs:
+            self.outbox.put(BatchTokenOut([self._token_out(o) for o in outputs]))
+        elif not self.scheduler.has_work:
+            self._maybe_check_health()
+        return True
+
+    def _receive(self) -> list[object]:
+        # Idle: block (briefly, to notice SIGTERM). Busy: take what has arrived, never wait.
+        first = None if self.scheduler.has_work else self.inbox.get(timeout_ms=IDLE_POLL_MS)
+        msgs = [] if first is None else [first]
+        while (msg := self.inbox.get_nowait()) is not None:
+            msgs.append(msg)
+        return msgs
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, GenerateReq):
+            try:
+                params = SamplingParams.from_dict(msg.sampling_params)
+                self.scheduler.add_request(msg.rid, msg.input_ids, params)
+            except (ValueError, TypeError) as e:
+                self.outbox.put(ReqError(msg.rid, str(e), "invalid_request"))
+                return
+            self._detok[msg.rid] = DetokParams(params.skip_special_tokens, list(params.stop),
+                                               params.min_tokens, msg.input_ids[-8:])
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid)
+        elif isinstance(msg, AdminReq):
+            self.outbox.put(self._admin(msg))
+
+    def _admin(self, msg: AdminReq) -> AdminReply:
+        if msg.command == "stats":
+            return AdminReply(msg.rid, True, {**self.scheduler.engine_stats(), "health_error": self.health_error})
+        if msg.command == "flush_cache":
+            try:
+                return AdminReply(msg.rid, True, {"freed_tokens": self.scheduler.flush_cache()})
+            except RuntimeError as e:
+                return AdminReply(msg.rid, False, {"error": str(e)})
+        if msg.command == "check_health":
+            if self.scheduler.has_work:
+                return AdminReply(msg.rid, False, {"error": "busy: the KV accounting is checked when idle"})
+            self._maybe_check_health(force=True)
+            return AdminReply(msg.rid, self.health_error is None, {"health_error": self.health_error})
+        return AdminReply(msg.rid, False, {"error": f"unknown admin command {msg.command!r}"})
+
+    def _maybe_check_health(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_health_check < HEALTH_CHECK_INTERVAL_S:
+            return
+        self._last_health_check = now
+        try:
+            self.scheduler.check_health()
+            self.health_error = None
+        except Exception as e:  # noqa: BLE001 - report any inconsistency, keep serving
+            self.health_error = str(e)
+            logger.error("idle health check failed: %s", e)
+
+    def _token_out(self, o: ReqOutput) -> TokenOut:
+        return TokenOut(
+            rid=o.rid, new_ids=o.new_token_ids, finished=o.finished, finish_reason=o.finish_reason,
+            matched_stop=o.matched_stop, prompt_tokens=o.prompt_tokens,
+            completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
+            logprobs=[LogprobEntry(lp.token_logprob, list(lp.top_ids), list(lp.top_logprobs))
+                      for lp in o.logprobs],
+            detok=self._detok.pop(o.rid, None),
+        )
+
+
+def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
+    from minisgl_mp.engine.builder import build_scheduler
+
+    scheduler, _ = build_scheduler(config.engine, progress=False)
+    ctx = zmq.Context()
+    inbox = PullQueue(ctx, config.scheduler_addr, SCHEDULER_CHANNEL, bind=True)
+    outbox = PushQueue(ctx, config.detokenizer_addr, DETOKENIZER_CHANNEL)
+    loop = SchedulerLoop(scheduler, inbox, outbox)
+    stats = scheduler.engine_stats()
+    status.ready(kv_tokens=stats["total_tokens"])
+    try:
+        while not stop.is_set and loop.run_once():
+            pass
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+
+
+def run_scheduler_process(config: ServerConfig, conn: Connection) -> None:
+    child_main("scheduler", config.server.log_level, conn, lambda s, f: _body(config, s, f))

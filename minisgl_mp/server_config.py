@@ -1,0 +1,87 @@
+"""The server's configuration: the engine's, plus endpoints, limits and where the internal
+sockets live. Built once by the launcher, after everything it depends on is known; each
+process receives it whole and reads its own part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minisgl_mp.engine_config import EngineConfig
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Server options of the command line (the engine's come from EngineConfig)."""
+
+    host: str = field(default="127.0.0.1", metadata=_help("address for HTTP and the ZMQ client endpoint"))
+    port: int = field(default=30000, metadata=_help("HTTP port (0: any free port)"))
+    zmq_port: int = field(default=30001, metadata=_help("ZMQ client endpoint port (0: any free port)"))
+    enable_http: bool = field(default=True, metadata=_help("serve the HTTP API"))
+    api_key: str | None = field(default=None, metadata=_help("required as 'Authorization: Bearer <key>' (HTTP) or \"api_key\" (ZMQ)"))
+    served_model_name: str | None = field(default=None, metadata=_help("model id in the API (default: --model)"))
+    max_payload_bytes: int = field(default=8 << 20, metadata=_help("largest request body or ZMQ message accepted"))
+    max_queued_requests: int = field(default=4096, metadata=_help("requests in flight before new ones get 503"))
+    max_n: int = field(default=16, metadata=_help("largest n (choices per request)"))
+    health_timeout: float = field(default=20.0, metadata=_help("seconds /health waits for its one-token generation"))
+    startup_timeout: float = field(default=900.0, metadata=_help("seconds to wait for every process to be ready"))
+    log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
+
+    def __post_init__(self) -> None:
+        for name in ("port", "zmq_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.max_payload_bytes < 1024:
+            raise ValueError("max_payload_bytes must be at least 1024")
+        if self.max_queued_requests < 1 or self.max_n < 1:
+            raise ValueError("max_queued_requests and max_n must be >= 1")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the launcher learned about the model before starting any process."""
+
+    name: str  # served model id
+    config_path: str
+    tokenizer_dir: str | None
+    context_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    server: ServerArgs
+    model: ModelInfo
+    ipc_dir: str  # private (mode 0700) directory of the internal ipc sockets
+
+    def ipc(self, name: str) -> str:
+        return f"ipc://{Path(self.ipc_dir) / name}.sock"
+
+    @property
+    def scheduler_addr(self) -> str:
+        return self.ipc("scheduler")
+
+    @property
+    def detokenizer_addr(self) -> str:
+        return self.ipc("detokenizer")
+
+    @property
+    def tokenizer_addr(self) -> str:
+        return self.ipc("tokenizer")
+
+    @property
+    def zmq_endpoint(self) -> str:
+        host = self.server.host
+        return f"tcp://[{host}]:{self.server.zmq_port}" if ":" in host else f"tcp://{host}:{self.server.zmq_port}"
+
+    @property
+    def http_url(self) -> str:
+        host = self.server.host
+        return f"http://[{host}]:{self.server.port}" if ":" in host else f"http://{host}:{self.server.port}"

@@ -1,0 +1,196 @@
+"""The tokenizer process's core: turns requests into token ids for the scheduler and routes
+every output that comes back (through the detokenizer) to the request that asked for it.
+
+`generate()` is an async iterator of outputs. Whoever stops iterating early (a client that went
+away, a cancelled task) aborts the request, so the scheduler frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl_mp.message.messages import AbortReq, AdminReply, AdminReq, BatchTextOut, GenerateReq, ReqError, TextOut
+from minisgl_mp.server.metrics import Metrics
+from minisgl_mp.server_config import ServerConfig
+from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError
+
+logger = logging.getLogger("minisgl_mp.tokenizer")
+
+# Texts longer than this are tokenized in a worker thread so the event loop keeps serving.
+INLINE_TOKENIZE_CHARS = 20_000
+
+
+@dataclass
+class _ReqState:
+    queue: asyncio.Queue[TextOut | ReqError] = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.perf_counter)
+    last_output: float | None = None
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, config: ServerConfig, tokenizer: Any, to_scheduler: Any, from_detokenizer: Any,
+                 metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.to_scheduler = to_scheduler
+        self.from_detokenizer = from_detokenizer
+        self.metrics = metrics
+        self.context_len = config.model.context_len
+        self.vocab_size = config.model.vocab_size
+        self.states: dict[str, _ReqState] = {}
+        self._admin_waiters: dict[str, asyncio.Future[AdminReply]] = {}
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+
+    async def run_dispatch(self) -> None:
+        """Route outputs from the detokenizer until cancelled."""
+        while True:
+            msg = await self.from_detokenizer.get()
+            if isinstance(msg, BatchTextOut):
+                for out in msg.outputs:
+                    self._route(out.rid, out)
+            elif isinstance(msg, ReqError):
+                self._route(msg.rid, msg)
+            elif isinstance(msg, AdminReply):
+                fut = self._admin_waiters.pop(msg.rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _route(self, rid: str, msg: TextOut | ReqError) -> None:
+        state = self.states.get(rid)
+        if state is not None:  # else: the client went away and the request was aborted
+            state.queue.put_nowait(msg)
+
+    # ---- tokenization ----------------------------------------------------------------------------
+    async def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.input_ids is not None:
+            ids = req.input_ids
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
+        elif req.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+                raise RequestError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
+            ids = await self._encode(text, add_special_tokens=False)
+        else:
+            ids = await self._encode(req.text or "", add_special_tokens=True)
+        if not ids:
+            raise RequestError("the prompt is empty: at least one token is needed", param="prompt")
+        self.check_length(len(ids), req.params.max_tokens)
+        return ids
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens >= self.context_len:
+            raise RequestError(
+                f"the prompt has {prompt_tokens} tokens, but the context length is {self.context_len} "
+                "(prompt plus at least one generated token must fit)", param="prompt")
+        if prompt_tokens + max_tokens > self.context_len:
+            raise RequestError(
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
+                f"{prompt_tokens + max_tokens} tokens, over the context length of {self.context_len}",
+                param="max_tokens")
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def new_rid(self) -> str:
+        return f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+
+    def admit_check(self, extra: int = 1) -> None:
+        if self.stopping:
+            raise RequestError("the server is shutting down", kind="unavailable")
+        if len(self.states) + extra > self.config.server.max_queued_requests:
+            raise RequestError(
+                f"too many requests in flight ({len(self.states)}; --max-queued-requests "
+                f"{self.config.server.max_queued_requests}); retry later", kind="overloaded")
+
+    async def generate(self, req: GenerateRequest, ids: list[int] | None = None,
+                       rid: str | None = None) -> AsyncIterator[TextOut]:
+        """Outputs of one request, the last with finished=True. Raises RequestError."""
+        rid = rid or req.rid or self.new_rid()
+        if rid in self.states:
+            raise RequestError(f"request id {rid!r} is already in use", param="rid")
+        self.admit_check()
+        if ids is None:
+            ids = await self.prompt_ids(req)
+        state = _ReqState()
+        self.states[rid] = state
+        try:
+            await self.to_scheduler.put(GenerateReq(rid, ids, req.params.to_dict()))
+            while True:
+                msg = await state.queue.get()
+                if isinstance(msg, ReqError):
+                    state.finished = True
+                    if self.metrics:
+                        self.metrics.request_errors.inc()
+                    raise RequestError(msg.message, kind=msg.kind if msg.kind in RequestError.STATUS else "internal")
+                self._observe(state, msg)
+                yield msg
+                if msg.finished:
+                    state.finished = True
+                    return
+        finally:
+            del self.states[rid]
+            if not state.finished:
+                self.spawn(self.to_scheduler.put(AbortReq(rid)))
+
+    def _observe(self, state: _ReqState, out: TextOut) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        if m is not None and out.new_ids:
+            if state.last_output is None:
+                m.ttft.observe(now - state.created)
+            else:
+                gap = (now - state.last_output) / len(out.new_ids)
+                for _ in out.new_ids:
+                    m.itl.observe(gap)
+            m.generation_tokens.inc(len(out.new_ids))
+        if out.new_ids:
+            state.last_output = now
+        if m is not None and out.finished:
+            m.e2e.observe(now - state.created)
+            m.requests.inc()
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.cached_tokens.inc(out.cached_tokens)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a request by id; False if no such request is in flight."""
+        state = self.states.get(rid)
+        if state is None:
+            return False
+        await self.to_scheduler.put(AbortReq(rid))
+        return True
+
+    async def admin(self, command: str, timeout: float = 10.0) -> AdminReply:
+        rid = f"admin-{self.new_rid()}"
+        fut: asyncio.Future[AdminReply] = asyncio.get_running_loop().create_future()
+        self._admin_waiters[rid] = fut
+        try:
+            await self.to_scheduler.put(AdminReq(rid, command))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the scheduler did not answer {command!r} within {timeout:.0f}s",
+                               kind="unavailable") from None
+        finally:
+            self._admin_waiters.pop(rid, None)
+
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` in the background, keeping a reference so it is not garbage-collected."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,82 @@
+"""The tokenizer process: an asyncio loop (uvloop) serving the ZMQ client endpoint and the
+HTTP API, tokenizing requests for the scheduler and routing outputs back to clients."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from multiprocessing.connection import Connection
+
+from minisgl_mp.server_config import ServerConfig
+from minisgl_mp.utils.process import StatusPipe, StopFlag, child_main
+
+logger = logging.getLogger("minisgl_mp.tokenizer")
+
+
+async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
+    import zmq.asyncio
+
+    from minisgl_mp.engine.tokenizer import load_tokenizer
+    from minisgl_mp.message.messages import SCHEDULER_CHANNEL, TOKENIZER_CHANNEL
+    from minisgl_mp.message.transport import AsyncPullQueue, AsyncPushQueue
+    from minisgl_mp.server.metrics import Metrics
+    from minisgl_mp.tokenizer.manager import TokenizerManager
+    from minisgl_mp.tokenizer.zmq_frontend import ZmqFrontend
+
+    tokenizer = load_tokenizer(config.model.tokenizer_dir)
+    if tokenizer is None:
+        raise RuntimeError(f"no tokenizer found in {config.model.tokenizer_dir}")
+    ctx = zmq.asyncio.Context()
+    from_detok = AsyncPullQueue(ctx, config.tokenizer_addr, TOKENIZER_CHANNEL, bind=True)
+    to_sched = AsyncPushQueue(ctx, config.scheduler_addr, SCHEDULER_CHANNEL)
+    manager = TokenizerManager(config, tokenizer, to_sched, from_detok, Metrics(config.model.name))
+    zmq_frontend = ZmqFrontend(ctx, config.zmq_endpoint, manager, config.server.max_payload_bytes,
+                               config.server.api_key)
+    tasks = [asyncio.create_task(manager.run_dispatch(), name="dispatch"),
+             asyncio.create_task(zmq_frontend.serve(), name="zmq-frontend")]
+    http_server = None
+    if config.server.enable_http:
+        from minisgl_mp.server.http import create_http_server
+
+        http_server = create_http_server(config, manager)
+        tasks.append(asyncio.create_task(http_server.serve(), name="http"))
+        while not http_server.started:
+            if tasks[-1].done():
+                tasks[-1].result()  # raises the bind error
+                raise RuntimeError(f"HTTP server on {config.http_url} did not start")
+            await asyncio.sleep(0.02)
+    status.ready(zmq=zmq_frontend.endpoint, http=config.http_url if http_server else None)
+    try:
+        while not stop.is_set:
+            done = [t for t in tasks if t.done()]
+            if done:
+                done[0].result()  # a frontend died: raise its error
+                raise RuntimeError(f"task {done[0].get_name()} ended unexpectedly")
+            await asyncio.sleep(0.1)
+        manager.stopping = True
+    finally:
+        if http_server is not None:
+            http_server.should_exit = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        zmq_frontend.close()
+        from_detok.close()
+        to_sched.close()
+        ctx.term()
+
+
+def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
+    from minisgl_mp.utils.no_torch import block_torch
+
+    block_torch()
+    try:
+        import uvloop
+    except ImportError:  # no uvloop on this platform: the standard loop works too
+        asyncio.run(_serve(config, status, stop))
+    else:
+        uvloop.run(_serve(config, status, stop))
+
+
+def run_tokenizer_process(config: ServerConfig, conn: Connection) -> None:
+    child_main("tokenizer", config.server.log_level, conn, lambda s, f: _body(config, s, f))

@@ -1,0 +1,108 @@
+"""What every child process does the same way: die with its parent, stop on SIGTERM (Ctrl+C is
+the launcher's to handle), report ready or a startup error to the launcher over a pipe (JSON,
+never pickle), and log with its name."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+PR_SET_PDEATHSIG = 1
+
+
+class StopFlag:
+    """Set by SIGTERM; loops poll it between short blocking waits."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    @property
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+
+class StatusPipe:
+    """The child's end of its status pipe to the launcher."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self.name = name
+
+    def send(self, event: str, **info: Any) -> None:
+        try:
+            self.conn.send_bytes(json.dumps({"event": event, "process": self.name, **info}).encode())
+        except (BrokenPipeError, OSError):
+            pass  # the launcher is gone; the parent-death signal takes it from here
+
+    def ready(self, **info: Any) -> None:
+        self.send("ready", pid=os.getpid(), **info)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the launcher dies (even by SIGKILL); elsewhere a watchdog
+    thread notices the parent change."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent or parent == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr, force=True,
+    )
+
+
+def child_main(name: str, log_level: str, conn: Connection,
+               body: Callable[[StatusPipe, StopFlag], None]) -> None:
+    """Run a process body; any exception becomes an 'error' event for the launcher and exit 1."""
+    die_with_parent()
+    setup_logging(log_level, name)
+    status = StatusPipe(conn, name)
+    stop = StopFlag()
+    try:
+        body(status, stop)
+    except BaseException as e:  # noqa: BLE001 - report whatever ended the process, then exit
+        logging.getLogger(name).error("%s process failed: %s\n%s", name, e, traceback.format_exc())
+        status.send("error", message=f"{type(e).__name__}: {e}")
+        sys.stderr.flush()
+        os._exit(1)
+    status.send("exit")
+
+
+def read_status(conn: Connection) -> dict[str, Any] | None:
+    """The launcher's end: one event, or None if nothing (more) can come."""
+    try:
+        if not conn.poll():
+            return None
+        return json.loads(conn.recv_bytes(1 << 16))
+    except (EOFError, OSError, ValueError):
+        return None
