@@ -1,0 +1,396 @@
+"""Builds a random Qwen3 checkpoint, offline and deterministic, in Hugging Face's layout.
+
+    python -m minisgl_mp.tools.make_model --config configs/models/qwen3-tiny.json \
+        --out models/qwen3-tiny [--seed 0] [--shards 1]
+
+The folder holds config.json, generation_config.json, model.safetensors (or HF-style shards
+plus model.safetensors.index.json) and a byte-level BPE tokenizer trained on text that ships
+with Python, so it loads like Qwen/Qwen3-0.6B through the same code path. It is built in a
+temporary folder beside the target and renamed into place, so a half-written model is never
+visible under the target name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+from tokenizers.models import BPE
+
+# Bumped whenever the same config and seed would produce different files.
+BUILDER_VERSION = "2"
+
+# Special tokens come right after the BPE vocabulary, as in Qwen (151643 BPE tokens, then
+# <|endoftext|>=151643, <|im_start|>=151644, <|im_end|>=151645): here 8000, 8001, 8002.
+BPE_VOCAB_SIZE = 8000
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
+
+# Qwen2/Qwen3's pre-tokenizer split: contractions, letter runs, single digits, punctuation runs.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Prose-heavy stdlib sources present in every CPython >= 3.10, read in this fixed order.
+# Their text differs between Python versions, so the tokenizer is only reproducible per version.
+CORPUS_MODULES = (
+    "argparse", "textwrap", "typing", "subprocess", "threading",
+    "functools", "dataclasses", "inspect", "difflib", "doctest",
+)  # fmt: skip
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Weight init. A 0.02-std model predicts its own input token (tied embeddings and a residual
+# stream dominated by the embedding), so greedy output repeats one token. Projections get
+# std = MATRIX_GAIN / sqrt(fan_in), which lets the layers dominate the residual at any width;
+# embeddings get std = LOGIT_STD / sqrt(hidden), so logits have std ~LOGIT_STD. Measured on
+# qwen3-tiny: gain 1 repeats one token, 2-8 gives varied output. Float32 differences between
+# two correct implementations grow with the logit scale (~1.5e-6 of max |logit|), so LOGIT_STD
+# stays modest: 6 gives max |logit| ~30 (like real models) and a median top-2 gap ~1.
+MATRIX_GAIN = 3.0
+LOGIT_STD = 6.0
+NORM_NOISE = 0.1  # norm weights are 1 + N(0, NORM_NOISE) so no two channels are identical
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """The parts of a Qwen3 config.json that decide tensor names and shapes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied: bool
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "vocab_size"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Qwen3Shape:
+        if config.get("model_type") != "qwen3" or config.get("architectures") != ["Qwen3ForCausalLM"]:
+            raise ValueError("config must have model_type 'qwen3' and architectures ['Qwen3ForCausalLM']")
+        dtype_name = config.get("torch_dtype", config.get("dtype", "float32"))
+        if dtype_name not in DTYPES:
+            raise ValueError(f"unsupported torch_dtype {dtype_name!r}; expected one of {sorted(DTYPES)}")
+        try:
+            return cls(
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_layers=config["num_hidden_layers"],
+                num_heads=config["num_attention_heads"],
+                num_kv_heads=config["num_key_value_heads"],
+                head_dim=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
+                vocab_size=config["vocab_size"],
+                tied=bool(config.get("tie_word_embeddings", False)),
+                dtype=DTYPES[dtype_name],
+            )
+        except KeyError as missing:
+            raise ValueError(f"config lacks {missing}") from None
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face Qwen3ForCausalLM state-dict names -> shapes; Linear weights are [out, in]."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (self.head_dim,),
+                p + "self_attn.k_norm.weight": (self.head_dim,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate_size),
+            }
+        shapes["model.norm.weight"] = (h,)
+        if not self.tied:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+
+def random_weights(shape: Qwen3Shape, seed: int) -> dict[str, torch.Tensor]:
+    # Each tensor has its own generator seeded from (seed, name), so a tensor's values do not
+    # depend on the other tensors: adding layers or sharding leaves the rest unchanged.
+    weights = {}
+    for name, dims in shape.tensor_shapes().items():
+        digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        noise = torch.randn(dims, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            tensor = 1.0 + NORM_NOISE * noise
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = noise * (LOGIT_STD / math.sqrt(shape.hidden_size))
+        else:
+            tensor = noise * (MATRIX_GAIN / math.sqrt(dims[1]))
+        weights[name] = tensor.to(shape.dtype).contiguous()
+    return weights
+
+
+def train_tokenizer() -> Tokenizer:
+    """Byte-level BPE with Qwen's normalizer, pre-tokenizer and decoder (~0.6 s, deterministic)."""
+    import pydoc_data.topics
+
+    texts = [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
+    for module in CORPUS_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"stdlib module {module} has no source file to train the tokenizer on")
+        texts.append(Path(spec.origin).read_text(encoding="utf-8"))
+    tokenizer = Tokenizer(BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    if tokenizer.get_vocab_size() != BPE_VOCAB_SIZE:
+        raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} tokens, not {BPE_VOCAB_SIZE}")
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def tokenizer_config(tokenizer: Tokenizer, model_max_length: int) -> dict[str, Any]:
+    added = {
+        str(tokenizer.token_to_id(token)): {
+            "content": token, "lstrip": False, "normalized": False,
+            "rstrip": False, "single_word": False, "special": True,
+        }  # fmt: skip
+        for token in SPECIAL_TOKENS
+    }
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def check_special_ids(config: dict[str, Any], tokenizer: Tokenizer) -> None:
+    # The checkpoint ships this tokenizer, so the config's ids must name its special tokens.
+    expected = {"bos_token_id": ENDOFTEXT, "eos_token_id": IM_END, "pad_token_id": ENDOFTEXT}
+    for key, token in expected.items():
+        want = tokenizer.token_to_id(token)
+        if key in config and config[key] != want:
+            raise ValueError(
+                f"config {key} is {config[key]}, but the generated tokenizer has {token} at {want}; "
+                "a generated checkpoint ships that tokenizer, so point the config's ids at it"
+            )
+    if config["vocab_size"] < tokenizer.get_vocab_size():
+        size = tokenizer.get_vocab_size()
+        raise ValueError(f"vocab_size {config['vocab_size']} is below the tokenizer's {size}")
+
+
+def generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
+    # Qwen3 stops on <|im_end|> or <|endoftext|>. Greedy by default: the weights are random,
+    # so sampling defaults would only make demos and comparisons non-reproducible.
+    end, im_end = tokenizer.token_to_id(ENDOFTEXT), tokenizer.token_to_id(IM_END)
+    return {"bos_token_id": end, "eos_token_id": [im_end, end], "pad_token_id": end, "do_sample": False}
+
+
+def split_into_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[list[str]]:
+    """Contiguous groups of tensor names of roughly equal bytes; every group is non-empty."""
+    names = list(tensors)
+    if not 1 <= num_shards <= len(names):
+        raise ValueError(f"shards must be between 1 and {len(names)} (the tensor count), got {num_shards}")
+    bytes_left = sum(t.nbytes for t in tensors.values())
+    budget = bytes_left / num_shards  # re-split after each group, so one huge tensor is absorbed
+    groups: list[list[str]] = [[]]
+    group_bytes = 0
+    for index, name in enumerate(names):
+        groups_to_open = num_shards - len(groups)
+        must_close = len(names) - index == groups_to_open  # one tensor left per remaining group
+        nbytes = tensors[name].nbytes
+        if groups_to_open and groups[-1] and (must_close or group_bytes + nbytes / 2 > budget):
+            groups.append([])
+            group_bytes = 0
+            budget = bytes_left / groups_to_open
+        groups[-1].append(name)
+        group_bytes += nbytes
+        bytes_left -= nbytes
+    return groups
+
+
+def write_weights(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+    if num_shards == 1:
+        save_file(tensors, out / "model.safetensors", metadata=metadata)
+        return
+    weight_map = {}
+    for index, names in enumerate(split_into_shards(tensors, num_shards), start=1):
+        filename = f"model-{index:05d}-of-{num_shards:05d}.safetensors"
+        save_file({name: tensors[name] for name in names}, out / filename, metadata=metadata)
+        weight_map |= dict.fromkeys(names, filename)
+    index_json = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    write_json(out / "model.safetensors.index.json", index_json)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def build_checkpoint(
+    config: dict[str, Any],
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    shards: int = 1,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Writes a complete checkpoint to out_dir (replacing one already there) and returns its path.
+
+    tokenizer_dir: a folder holding a tokenizer this builder wrote before (e.g. another
+    checkpoint); its files are copied instead of training the tokenizer again.
+    """
+    shape = Qwen3Shape.from_config(config)
+    if tokenizer_dir is None:
+        tokenizer = train_tokenizer()
+    else:
+        tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    check_special_ids(config, tokenizer)
+    weights = random_weights(shape, seed)
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        staging.chmod(0o755)
+        write_json(staging / "config.json", config)
+        write_json(staging / "generation_config.json", generation_config(tokenizer))
+        if tokenizer_dir is None:
+            tokenizer.save(str(staging / "tokenizer.json"))
+            tokenizer.model.save(str(staging))  # vocab.json + merges.txt, as Qwen ships them
+        else:
+            for name in TOKENIZER_FILES:
+                shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
+        max_len = int(config.get("max_position_embeddings", 4096))
+        write_json(staging / "tokenizer_config.json", tokenizer_config(tokenizer, max_len))
+        write_weights(weights, staging, shards)
+        # Kept out of the safetensors header: safetensors writes its metadata in hash order,
+        # which would make two identical builds differ byte-wise.
+        write_json(staging / "build_info.json", build_info(seed, shards))
+        for path in staging.iterdir():
+            path.chmod(0o644)  # safetensors writes 0600
+        replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def replace_dir(staging: Path, out: Path) -> None:
+    # NOTE: a directory rename cannot replace a non-empty directory, so an old build is moved
+    # aside first; between the two renames `out` is briefly absent, never half-written.
+    if out.exists():
+        retired = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        out.rename(retired)
+        staging.rename(out)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(out)
+
+
+def build_info(seed: int, shards: int) -> dict[str, Any]:
+    return {"builder": "minisgl_mp.tools.make_model", "version": BUILDER_VERSION, "seed": seed,
+            "shards": shards}  # fmt: skip
+
+
+def checkpoint_is_current(out_dir: str | Path, config: dict[str, Any], *, seed: int = 0) -> bool:
+    """True when out_dir holds a single-file checkpoint this builder version made from config and seed."""
+    out = Path(out_dir)
+    needed = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
+              "build_info.json")  # fmt: skip
+    if not all((out / name).is_file() for name in needed):
+        return False
+    if json.loads((out / "config.json").read_text(encoding="utf-8")) != config:
+        return False
+    return json.loads((out / "build_info.json").read_text(encoding="utf-8")) == build_info(seed, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, required=True, help="a Qwen3 config.json")
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint folder to (re)write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shards", type=int, default=1, help="safetensors files to split the weights into")
+    parser.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse this folder's tokenizer")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    config = json.loads(args.config.read_text(encoding="utf-8"))
+    try:
+        out = build_checkpoint(
+            config, args.out, seed=args.seed, shards=args.shards, tokenizer_dir=args.tokenizer_dir
+        )
+    except ValueError as error:
+        print(f"make_model: {error}", file=sys.stderr)
+        return 2
+    params = sum(math.prod(dims) for dims in Qwen3Shape.from_config(config).tensor_shapes().values())
+    size = sum(f.stat().st_size for f in out.iterdir())
+    seconds = time.perf_counter() - start
+    print(f"wrote {out}: {params / 1e6:.1f}M parameters, {size / 2**20:.1f} MiB, {seconds:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

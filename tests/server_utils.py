@@ -1,0 +1,135 @@
+"""Starting the real server (the launcher and its three processes) from tests.
+
+`launch_server()` runs `python -m minisgl_mp.launch` in its own process group, waits for its
+ready line and parses the endpoints; `stop()` (also on any failure) sends SIGTERM, waits, then
+kills the whole group, so a failing test leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+READY = re.compile(r"minisgl_mp ready: model (\S+), zmq (\S+)(?:, http (\S+))? \(pid (\d+)\)")
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    zmq: str
+    http: str | None
+    model: str
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def child_pids(self) -> dict[str, int]:
+        """Process name ('scheduler', 'tokenizer', 'detokenizer') -> pid, from the log."""
+        return {name: int(pid) for name, pid in re.findall(r"(\w+) process ready \(pid (\d+)\)", "\n".join(self.read_log()))}
+
+    def read_log(self, timeout: float = 0.0) -> list[str]:
+        _drain(self.proc, self.log, timeout)
+        return self.log
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        procs = [psutil.Process(self.proc.pid)] + self.children() if self.proc.poll() is None else self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        _drain(self.proc, self.log, 0.5)
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _drain(proc: subprocess.Popen[str], log: list[str], timeout: float) -> None:
+    """Append the complete output lines that arrive within `timeout` to `log`.
+
+    Reads the raw pipe: a buffered readline() after select() can leave lines in Python's
+    buffer, unseen until more output comes (a ready line missed by an idle server)."""
+    if proc.stdout is None:
+        return
+    fd = proc.stdout.fileno()
+    partial: bytes = getattr(proc, "_partial_line", b"")
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while sel.select(max(0.0, deadline - time.monotonic())):
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:  # EOF: the last line may lack its newline
+            if partial:
+                log.append(partial.decode(errors="replace"))
+                partial = b""
+            break
+        *lines, partial = (partial + chunk).split(b"\n")
+        log.extend(line.decode(errors="replace") for line in lines)
+    proc._partial_line = partial  # type: ignore[attr-defined]
+    sel.close()
+
+
+def launch_server(model: str | Path, *args: str, timeout: float = 180.0, http: bool = True,
+                  env: dict[str, str] | None = None) -> ServerProcess:
+    cmd = [sys.executable, "-m", "minisgl_mp.launch", "--model", str(model), "--port", "0",
+           "--zmq-port", "0", *(() if http else ("--no-enable-http",)), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    log: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            _drain(proc, log, 0.2)
+            for line in log:
+                m = READY.search(line)
+                if m:
+                    return ServerProcess(proc, m.group(2), m.group(3), m.group(1), log)
+            if proc.poll() is not None:
+                _drain(proc, log, 0.5)
+                raise RuntimeError(f"server exited with {proc.returncode} before ready:\n" + "\n".join(log[-40:]))
+        raise RuntimeError(f"server not ready in {timeout}s:\n" + "\n".join(log[-40:]))
+    except BaseException:
+        ServerProcess(proc, "", None, "", log).stop(signal.SIGKILL)
+        raise
+
+
+def start_failure(model: str | Path, *args: str, timeout: float = 120.0) -> tuple[int, list[str]]:
+    """Run a launch that should fail; returns (exit code, output lines)."""
+    cmd = [sys.executable, "-m", "minisgl_mp.launch", "--model", str(model), "--port", "0", "--zmq-port", "0", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    return out.returncode, (out.stdout + out.stderr).splitlines()
