@@ -119,6 +119,7 @@ class Launcher:
             while (event := read_status(c.status)) is not None:
                 if event.get("event") == "ready":
                     c.ready = True
+                    logger.info("%s process ready (pid %s)", c.name, event.get("pid"))
                 elif event.get("event") == "error":
                     c.error = event.get("message")
 

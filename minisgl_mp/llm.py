@@ -22,7 +22,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # as the server does: the tokenizer's own special tokens
         return [int(t) for t in prompt]
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -37,19 +37,27 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
 
         rids, detoks, results = [], {}, {}
-        for prompt, p in zip(prompts, params_list):
-            rid = f"offline-{next(self._ids)}"
-            ids = self.encode(prompt)
-            self.scheduler.add_request(rid, ids, p)
-            rids.append(rid)
-            if self.tokenizer is not None:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                                     stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-8:])
-            results[rid] = {"token_ids": [], "logprobs": []}
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = f"offline-{next(self._ids)}"
+                ids = self.encode(prompt)
+                self.scheduler.add_request(rid, ids, p)
+                rids.append(rid)
+                if self.tokenizer is not None:
+                    detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                                         stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-8:])
+                results[rid] = {"token_ids": [], "logprobs": []}
+        except Exception:
+            # One bad prompt fails the whole call: drop the requests already queued by it.
+            for rid in rids:
+                self.scheduler.abort(rid)
+            raise
 
         while self.scheduler.has_work:
             for out in self.scheduler.step():
-                res = results[out.rid]
+                res = results.get(out.rid)
+                if res is None:  # the abort notice of a request from a call that failed
+                    continue
                 res["token_ids"].extend(out.new_token_ids)
                 res["logprobs"].extend(out.logprobs)
                 if out.rid in detoks:

@@ -15,6 +15,8 @@ class PageAllocator:
         self.page_size = page_size
         self._stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=device)
         self._num_free = num_pages
+        # Which pages are free, so a double free is caught before it hands a page out twice.
+        self._is_free = torch.ones(num_pages, dtype=torch.bool, device=device)
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
 
     @property
@@ -29,7 +31,9 @@ class PageAllocator:
         if n > self._num_free:
             return None
         self._num_free -= n
-        return self._stack[self._num_free : self._num_free + n].clone()
+        pages = self._stack[self._num_free : self._num_free + n].clone()
+        self._is_free[pages] = False
+        return pages
 
     def alloc_slots(self, num_pages: int) -> torch.Tensor | None:
         """Slots of `num_pages` fresh pages, page by page: [num_pages * page_size]."""
@@ -45,14 +49,14 @@ class PageAllocator:
             return
         pages = slots[:: self.page_size] // self.page_size if self.page_size > 1 else slots
         n = pages.numel()
-        if self._num_free + n > self.num_pages:
-            raise RuntimeError(
-                f"freeing {n} pages would exceed the pool of {self.num_pages} "
-                f"({self._num_free} already free): a page was freed twice"
-            )
+        # NOTE: one host sync per free (a request's end, a retraction, an eviction), never per token.
+        if bool(self._is_free[pages].any()) or (n > 1 and pages.unique().numel() != n):
+            raise RuntimeError(f"a page was freed twice: {sorted(set(pages.tolist()))[:16]} ...")
+        self._is_free[pages] = True
         self._stack[self._num_free : self._num_free + n] = pages
         self._num_free += n
 
     def reset(self) -> None:
         self._stack = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64, device=self._stack.device)
         self._num_free = self.num_pages
+        self._is_free.fill_(True)

@@ -21,7 +21,10 @@ from minisgl_mp.utils.process import StatusPipe, StopFlag, child_main
 logger = logging.getLogger("minisgl_mp.scheduler")
 
 IDLE_POLL_MS = 100  # how often an idle loop looks at the stop flag
+# When idle, the page accounting is checked this often, and the prefix cache's full
+# integrity (a walk of the whole tree) every FULL_CHECK_EVERY-th time.
 HEALTH_CHECK_INTERVAL_S = 5.0
+FULL_CHECK_EVERY = 12
 
 
 class SchedulerLoop:
@@ -31,6 +34,7 @@ class SchedulerLoop:
         self.outbox = outbox
         self._detok: dict[str, DetokParams] = {}  # sent with each request's first output
         self._last_health_check = 0.0
+        self._health_checks = 0
         self.health_error: str | None = None
 
     def run_once(self) -> bool:
@@ -90,8 +94,9 @@ class SchedulerLoop:
         if not force and now - self._last_health_check < HEALTH_CHECK_INTERVAL_S:
             return
         self._last_health_check = now
+        self._health_checks += 1
         try:
-            self.scheduler.check_health()
+            self.scheduler.check_health(full=force or self._health_checks % FULL_CHECK_EVERY == 1)
             self.health_error = None
         except Exception as e:  # noqa: BLE001 - report any inconsistency, keep serving
             self.health_error = str(e)

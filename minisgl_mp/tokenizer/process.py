@@ -53,13 +53,17 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
                 done[0].result()  # a frontend died: raise its error
                 raise RuntimeError(f"task {done[0].get_name()} ended unexpectedly")
             await asyncio.sleep(0.1)
-        manager.stopping = True
     finally:
+        # Refuse new requests, let the HTTP server close its connections, and only then stop
+        # routing and close the sockets (requests still open get aborted on the way).
+        manager.stopping = True
         if http_server is not None:
             http_server.should_exit = True
+            await asyncio.wait([tasks[-1]], timeout=2.0)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # let pending abort sends go out before the sockets close
         zmq_frontend.close()
         from_detok.close()
         to_sched.close()

@@ -1,0 +1,230 @@
+"""OpenAI's /v1/completions and /v1/chat/completions requests: validated field by field, then
+tokenized, length-checked and fanned out into one internal request per choice.
+
+Everything is checked before anything starts, so a bad second prompt never leaves the first
+running. Sampling fields keep SamplingParams' own error messages (they name the field and the
+allowed range), so HTTP and the ZMQ endpoint reject the same request with the same words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl_mp.sampling_params import SamplingParams
+from minisgl_mp.server.fanout import Choice
+from minisgl_mp.server.http_io import HttpError
+from minisgl_mp.tokenizer.manager import TokenizerManager
+from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_messages
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
+                   "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
+                   "ignore_eos", "stop_token_ids", "skip_special_tokens")
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS}
+COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo"})
+CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
+MAX_CHAT_TOP_LOGPROBS = 20
+_SEED_MOD = 2**63
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A validated, tokenized completions (chat=False) or chat request."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    n: int
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # choices carry logprobs
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    # Unknown fields set to nothing (null, {}, [], "") are harmless: clients send e.g. "logit_bias": null.
+    unknown = sorted(k for k, v in body.items() if k not in allowed and v not in (None, {}, [], ""))
+    if unknown:
+        raise HttpError(f"unsupported field(s): {', '.join(unknown)}; supported: {', '.join(sorted(allowed))}",
+                        param=unknown[0])
+
+
+def check_model(body: dict[str, Any], model: str) -> None:
+    name = body.get("model")
+    if name is None:
+        return  # optional here, unlike OpenAI: curl users need not repeat the only model's name
+    if not isinstance(name, str):
+        raise HttpError("model must be a string", param="model")
+    if name != model:
+        raise HttpError(f"the model {name!r} does not exist; this server serves {model!r}",
+                        kind="not_found", param="model", code="model_not_found")
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise HttpError(f"{name} must be true or false, got {v!r}", param=name)
+    return v
+
+
+def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or not lo <= v <= hi:
+        raise HttpError(f"{name} must be null or an integer in [{lo}, {hi}], got {v!r}", param=name)
+    return v
+
+
+def _n(body: dict[str, Any], max_n: int) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= max_n:
+        raise HttpError(f"n must be an integer in [1, {max_n}] (--max-n), got {n!r}", param="n")
+    return n
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise HttpError("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise HttpError("stream_options must be an object with the one field include_usage",
+                        param="stream_options")
+    return _opt_bool(opts, "include_usage")
+
+
+def sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from the non-null `fields`; its messages start with the field's name."""
+    try:
+        return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        first = message.split(" ", 1)[0]
+        raise HttpError(message, param=first if first in SAMPLING_FIELDS or first == "logprobs" else None) from None
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of prompts (text or token ids)."""
+    shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise HttpError(f"prompt must be {shapes} (non-empty)", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(_is_int(t) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise HttpError(f"prompt must be {shapes}", param="prompt")
+
+
+async def _tokenize(manager: TokenizerManager, req: GenerateRequest) -> list[int]:
+    try:
+        return await manager.prompt_ids(req)
+    except RequestError as e:
+        if e.param == "input_ids":
+            e.param = "prompt"
+        raise
+
+
+def _fan_out(prompts: list[tuple[GenerateRequest, list[int], str]], n: int) -> list[Choice]:
+    """n choices per prompt, prompt-major. With a seed, sample j uses seed + j, so the choices
+    differ from each other while the same request still gives the same texts."""
+    choices = []
+    for p, (req, ids, echo) in enumerate(prompts):
+        for j in range(n):
+            seed = req.params.seed
+            r = req if j == 0 or seed is None else dataclasses.replace(
+                req, params=dataclasses.replace(req.params, seed=(seed + j) % _SEED_MOD))
+            choices.append(Choice(index=p * n + j, prompt_index=p, sample_index=j, request=r, ids=ids, echo=echo))
+    return choices
+
+
+def _new_request(chat: bool, model: str, n: int, choices: list[Choice], stream: bool, include_usage: bool,
+                 logprobs: bool) -> OpenAIRequest:
+    prefix = "chatcmpl" if chat else "cmpl"
+    return OpenAIRequest(chat=chat, id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=n,
+                         choices=choices, stream=stream, include_usage=include_usage, logprobs=logprobs)
+
+
+async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
+    server, model = manager.config.server, manager.config.model.name
+    check_fields(body, COMPLETION_FIELDS)
+    check_model(body, model)
+    if "prompt" not in body:
+        raise HttpError("prompt is required", param="prompt")
+    prompts = _prompts(body["prompt"])
+    n = _n(body, server.max_n)
+    stream = _opt_bool(body, "stream")
+    include_usage = _include_usage(body, stream)
+    echo = _opt_bool(body, "echo")
+    top = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    params = sampling_params({**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top})
+    manager.admit_check(len(prompts) * n)  # fail fast, before tokenizing anything
+    tokenized = []
+    for prompt in prompts:
+        req = (GenerateRequest(rid=None, params=params, stream=stream, text=prompt) if isinstance(prompt, str)
+               else GenerateRequest(rid=None, params=params, stream=stream, input_ids=prompt))
+        ids = await _tokenize(manager, req)
+        echoed = "" if not echo else prompt if isinstance(prompt, str) else manager.tokenizer.decode(ids)
+        tokenized.append((req, ids, echoed))
+    choices = _fan_out(tokenized, n)
+    manager.admit_check(len(choices))
+    return _new_request(False, model, n, choices, stream, include_usage, top is not None)
+
+
+async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
+    server, model, context_len = manager.config.server, manager.config.model.name, manager.context_len
+    check_fields(body, CHAT_FIELDS)
+    check_model(body, model)
+    if "messages" not in body:
+        raise HttpError("messages is required", param="messages")
+    messages = check_messages(body["messages"])
+    n = _n(body, server.max_n)
+    stream = _opt_bool(body, "stream")
+    include_usage = _include_usage(body, stream)
+    want_logprobs = _opt_bool(body, "logprobs")
+    top = _opt_int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise HttpError("top_logprobs requires logprobs: true", param="top_logprobs")
+    fields = {k: body.get(k) for k in SAMPLING_FIELDS}
+    fields["logprobs"] = (top or 0) if want_logprobs else None
+    if body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins
+        if not _is_int(body["max_completion_tokens"]) or body["max_completion_tokens"] < 1:
+            raise HttpError(f"max_completion_tokens must be an integer >= 1, got {body['max_completion_tokens']!r}",
+                            param="max_completion_tokens")
+        fields["max_tokens"] = body["max_completion_tokens"]
+    # Without a limit a chat reply may use the rest of the context (OpenAI's default); the
+    # placeholder validates the other fields until the prompt's length is known.
+    unlimited = fields["max_tokens"] is None
+    if unlimited:
+        fields["max_tokens"] = context_len
+    params = sampling_params(fields)
+    manager.admit_check(n)
+    probe = dataclasses.replace(params, max_tokens=1, min_tokens=0) if unlimited else params
+    ids = await _tokenize(manager, GenerateRequest(rid=None, params=probe, stream=stream, messages=messages))
+    if unlimited:
+        try:
+            params = dataclasses.replace(params, max_tokens=context_len - len(ids))
+        except ValueError as e:  # min_tokens over what the context leaves
+            raise HttpError(str(e), param="min_tokens") from None
+    req = GenerateRequest(rid=None, params=params, stream=stream, messages=messages)
+    choices = _fan_out([(req, ids, "")], n)
+    manager.admit_check(len(choices))
+    return _new_request(True, model, n, choices, stream, include_usage, want_logprobs)

@@ -1,0 +1,175 @@
+"""Serving a parsed OpenAI request: the whole response, or its SSE stream.
+
+Stream contract: `data: {...}` chunks ending in `data: [DONE]`; chat choices open with a chunk
+whose delta carries the role; each choice has exactly one chunk with a finish_reason (it also
+carries `matched_stop`); with include_usage, a last chunk with `choices: []` carries the usage.
+An error after the stream began is sent as `data: {"error": {...}}`, then `[DONE]`.
+
+Usage counts each prompt's tokens once, however many samples it has (as OpenAI does);
+completion tokens add up over all choices; a prompt's cached tokens are the fewest any of its
+samples found in the cache (the samples run concurrently and may hit one another's pages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from minisgl_mp.message.messages import LogprobEntry, TextOut
+from minisgl_mp.server.fanout import Choice, ChoiceResult, run_choices
+from minisgl_mp.server.http_io import SSE_DONE, error_body, json_logprob, sse
+from minisgl_mp.server.openai_protocol import OpenAIRequest
+from minisgl_mp.tokenizer.manager import TokenizerManager
+from minisgl_mp.tokenizer.requests import RequestError
+
+
+class TokenTexts:
+    """Token id -> its text, for logprobs (cached: the same ids come back over and over)."""
+
+    MAX_CACHED = 1 << 16
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._cache) < self.MAX_CACHED:
+                self._cache[token_id] = text
+        return text
+
+
+def usage(req: OpenAIRequest, results: dict[int, ChoiceResult]) -> dict[str, Any]:
+    prompt: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    completion = 0
+    for c in req.choices:
+        last = results[c.index].last
+        if last is None:
+            continue
+        completion += last.completion_tokens
+        prompt[c.prompt_index] = last.prompt_tokens
+        cached[c.prompt_index] = min(cached.get(c.prompt_index, last.cached_tokens), last.cached_tokens)
+    total_prompt = sum(prompt.values())
+    return {"prompt_tokens": total_prompt, "completion_tokens": completion, "total_tokens": total_prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def _completion_logprobs(texts: TokenTexts, ids: list[int], entries: list[LogprobEntry],
+                         offset: int, prompt_ids: Sequence[int] = ()) -> tuple[dict[str, Any], int]:
+    """OpenAI's completions logprobs for `ids` (after echoed `prompt_ids`, whose entries are null:
+    prompt log-probabilities are not computed); returns it and the text offset after it."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    pairs: list[tuple[int, LogprobEntry | None]] = [(t, None) for t in prompt_ids]
+    pairs += zip(ids, entries)
+    for token, entry in pairs:
+        text = texts(token)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if entry is None else json_logprob(entry.logprob))
+        out["top_logprobs"].append(None if entry is None else {
+            texts(t): json_logprob(lp) for t, lp in zip(entry.top_ids, entry.top_logprobs)})
+    return out, offset
+
+
+def _chat_logprobs(texts: TokenTexts, ids: list[int], entries: list[LogprobEntry]) -> dict[str, Any]:
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = texts(token)
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(t, e.logprob),
+                         "top_logprobs": [item(i, lp) for i, lp in zip(e.top_ids, e.top_logprobs)]}
+                        for t, e in zip(ids, entries)]}
+
+
+def _finish(out: TextOut) -> dict[str, Any]:
+    return {"finish_reason": out.finish_reason if out.finished else None,
+            **({"matched_stop": out.matched_stop} if out.finished else {})}
+
+
+def _head(req: OpenAIRequest, chunk: bool) -> dict[str, Any]:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if req.chat else "text_completion"
+    return {"id": req.id, "object": kind, "created": req.created, "model": req.model}
+
+
+async def _collect(req: OpenAIRequest, manager: TokenizerManager) -> dict[int, ChoiceResult]:
+    results = {c.index: ChoiceResult() for c in req.choices}
+    async with contextlib.aclosing(run_choices(manager, req.choices)) as outs:
+        async for index, out in outs:
+            results[index].add(out)
+    return results
+
+
+async def complete(req: OpenAIRequest, manager: TokenizerManager, texts: TokenTexts) -> dict[str, Any]:
+    """The whole (non-stream) response. Raises RequestError."""
+    results = await _collect(req, manager)
+    choices = []
+    for c in req.choices:
+        r = results[c.index]
+        if r.last is None:  # run_choices ends only when every choice has finished
+            raise RequestError(f"choice {c.index} ended without an output", kind="internal")
+        text = c.echo + "".join(r.text)
+        choice: dict[str, Any] = {"index": c.index}
+        if req.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = _chat_logprobs(texts, r.ids, r.logprobs) if req.logprobs else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = (_completion_logprobs(texts, r.ids, r.logprobs, 0, c.ids if c.echo else [])[0]
+                                  if req.logprobs else None)
+        choices.append({**choice, **_finish(r.last)})
+    return {**_head(req, chunk=False), "choices": choices, "usage": usage(req, results)}
+
+
+class _StreamState:
+    """Per-choice progress of a stream: whether the echo went out, and the text offset."""
+
+    def __init__(self, choice: Choice) -> None:
+        self.choice = choice
+        self.echo_pending = bool(choice.echo)
+        self.offset = 0
+
+
+def _chunk_choice(req: OpenAIRequest, st: _StreamState, out: TextOut, texts: TokenTexts) -> dict[str, Any] | None:
+    """One choice's part of a stream chunk, or None when `out` brings nothing to send."""
+    if not (out.text or out.logprobs or out.finished or st.echo_pending):
+        return None
+    c = st.choice
+    if req.chat:
+        return {"index": c.index, "delta": {"content": out.text},
+                "logprobs": _chat_logprobs(texts, out.new_ids, out.logprobs) if req.logprobs else None,
+                **_finish(out)}
+    text, logprobs = out.text, None
+    prompt_ids = c.ids if st.echo_pending else []
+    if st.echo_pending:
+        text, st.echo_pending = c.echo + text, False
+    if req.logprobs:
+        logprobs, st.offset = _completion_logprobs(texts, out.new_ids, out.logprobs, st.offset, prompt_ids)
+    return {"index": c.index, "text": text, "logprobs": logprobs, **_finish(out)}
+
+
+async def stream(req: OpenAIRequest, manager: TokenizerManager, texts: TokenTexts) -> AsyncIterator[bytes]:
+    head = _head(req, chunk=True)
+    extra = {"usage": None} if req.include_usage else {}
+    results = {c.index: ChoiceResult() for c in req.choices}
+    states = {c.index: _StreamState(c) for c in req.choices}
+    try:
+        if req.chat:
+            for c in req.choices:
+                yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}], **extra})
+        async with contextlib.aclosing(run_choices(manager, req.choices)) as outs:
+            async for index, out in outs:
+                results[index].add(out)
+                part = _chunk_choice(req, states[index], out, texts)
+                if part is not None:
+                    yield sse({**head, "choices": [part], **extra})
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(req, results)})
+    except RequestError as e:
+        yield sse(error_body(e))
+    yield SSE_DONE

@@ -1,0 +1,115 @@
+"""The KV page allocator, the page table's row allocator and the KV pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minisgl_mp.kvcache.allocator import PageAllocator
+from minisgl_mp.kvcache.pool import KVPool
+from minisgl_mp.kvcache.req_table import ReqTable
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_slots_come_in_whole_aligned_pages(page_size: int) -> None:
+    alloc = PageAllocator(num_pages=10, page_size=page_size, device=CPU)
+    slots = alloc.alloc_slots(3)
+    assert slots is not None and slots.dtype == torch.int64 and slots.numel() == 3 * page_size
+    runs = slots.view(3, page_size)
+    assert (runs[:, 0] % page_size == 0).all(), "a page does not start at a page boundary"
+    assert torch.equal(runs - runs[:, :1], torch.arange(page_size).expand(3, -1))
+    assert len(set(runs[:, 0].tolist())) == 3
+    assert slots.min() >= 0 and slots.max() < alloc.num_slots == 10 * page_size
+    assert alloc.num_free_pages == 7
+
+
+def test_allocation_failure_returns_none_and_changes_nothing() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=2, device=CPU)
+    first = alloc.alloc_slots(3)
+    assert alloc.alloc_pages(2) is None and alloc.alloc_slots(2) is None
+    assert alloc.num_free_pages == 1
+    last = alloc.alloc_slots(1)
+    assert last is not None and not set(last.tolist()) & set(first.tolist())
+    assert alloc.alloc_slots(1) is None
+    assert alloc.alloc_pages(0).numel() == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_freed_pages_are_handed_out_again(page_size: int) -> None:
+    alloc = PageAllocator(num_pages=3, page_size=page_size, device=CPU)
+    a, b, c = (alloc.alloc_slots(1) for _ in range(3))
+    assert alloc.alloc_slots(1) is None
+    alloc.free_slots(b)
+    again = alloc.alloc_slots(1)
+    assert torch.equal(again, b)
+    alloc.free_slots(torch.cat([a, c, again]))
+    assert alloc.num_free_pages == 3
+    assert sorted(alloc.alloc_slots(3).tolist()) == list(range(3 * page_size))
+
+
+def test_random_alloc_and_free_never_hands_out_a_page_twice() -> None:
+    rng = random.Random(0)
+    alloc = PageAllocator(num_pages=64, page_size=4, device=CPU)
+    held: list[torch.Tensor] = []
+    for _ in range(500):
+        if held and rng.random() < 0.45:
+            alloc.free_slots(held.pop(rng.randrange(len(held))))
+        else:
+            slots = alloc.alloc_slots(rng.randint(1, 6))
+            if slots is not None:
+                held.append(slots)
+        in_use = torch.cat(held).tolist() if held else []
+        assert len(in_use) == len(set(in_use)), "a slot was handed out twice"
+        assert alloc.num_free_pages * 4 + len(in_use) == alloc.num_slots
+
+
+def test_double_free_past_the_pool_is_detected() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=4, device=CPU)
+    slots = alloc.alloc_slots(2)
+    alloc.free_slots(slots)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        alloc.free_slots(slots)
+
+
+def test_double_free_while_other_pages_are_in_use_is_detected() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=1, device=CPU)
+    a = alloc.alloc_slots(1)
+    alloc.alloc_slots(1)
+    alloc.free_slots(a)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        alloc.free_slots(a)
+
+
+def test_free_of_nothing_and_reset() -> None:
+    alloc = PageAllocator(num_pages=5, page_size=2, device=CPU)
+    alloc.alloc_slots(4)
+    alloc.free_slots(torch.empty(0, dtype=torch.int64))
+    assert alloc.num_free_pages == 1
+    alloc.reset()
+    assert alloc.num_free_pages == 5 and alloc.alloc_slots(5).numel() == 10
+
+
+def test_req_table_rows() -> None:
+    table = ReqTable(max_reqs=3, max_context_len=16, device=CPU)
+    assert table.table.shape == (3, 16) and table.table.dtype == torch.int64
+    rows = [table.alloc() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2] and table.num_free == 0
+    assert table.alloc() is None
+    table.free(rows[1])
+    assert table.num_free == 1 and table.alloc() == rows[1]
+
+
+def test_kv_pool_store_and_pad_slot() -> None:
+    pool = KVPool(num_layers=2, num_slots=8, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=CPU)
+    assert pool.k.shape == pool.v.shape == (2, 9, 2, 4) and pool.pad_slot == 8
+    assert not pool.k[:, 8].any() and not pool.v[:, 8].any()
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    loc = torch.tensor([5, 0, 7])
+    pool.store(1, loc, k, v)
+    assert torch.equal(pool.k[1, loc], k) and torch.equal(pool.v[1, loc], v)
+    assert pool.nbytes == 2 * 2 * 9 * 2 * 4 * 4
+    assert KVPool.bytes_per_token(2, 2, 4, torch.bfloat16) == 2 * 2 * 2 * 4 * 2

@@ -1,0 +1,126 @@
+"""ModelConfig read from config.json (every rope form transformers writes), and the dtype and
+device chosen for a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl_mp.models.config import ModelConfig, RopeConfig
+from minisgl_mp.utils.device import resolve_device, resolve_dtype
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+
+
+def test_tiny_config_fields(tiny_config: dict[str, Any]) -> None:
+    cfg = ModelConfig.from_dict(tiny_config)
+    assert cfg.architecture == "Qwen3ForCausalLM"
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (8192, 256, 768)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 4, 2, 64)
+    assert (cfg.q_size, cfg.kv_size) == (256, 128)
+    assert cfg.tie_word_embeddings and cfg.eos_token_ids == (8002,) and cfg.bos_token_id == 8000
+    assert cfg.rope == RopeConfig(theta=1e6)
+    assert cfg.hf_dtype == "float32"
+
+
+ROPE_FORMS: dict[str, tuple[dict[str, Any], str, float, dict[str, Any]]] = {
+    # name: (config keys, rope_type, theta, params we keep)
+    "none": ({"rope_scaling": None}, "default", 1e6, {}),
+    "legacy type key": ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear", 1e6, {"factor": 2.0}),
+    "llama3 without original length": (
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+        "llama3", 1e6,
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 4096},
+    ),
+    "transformers 5 rope_parameters": (
+        {"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                                   "original_max_position_embeddings": 1024}},
+        "yarn", 5e5, {"factor": 4.0, "original_max_position_embeddings": 1024},
+    ),
+    "rope_parameters default": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "default", 1e4, {},
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(ROPE_FORMS))
+def test_rope_forms_parse_as_transformers_reads_them(tiny_config: dict[str, Any], form: str) -> None:
+    from transformers import Qwen3Config
+
+    keys, rope_type, theta, params = ROPE_FORMS[form]
+    raw = tiny_config | keys
+    rope = ModelConfig.from_dict(raw).rope
+    assert (rope.rope_type, rope.theta, rope.params) == (rope_type, theta, params)
+    hf = Qwen3Config(**raw).rope_parameters
+    assert (hf["rope_type"], float(hf["rope_theta"])) == (rope_type, theta)
+    for key, value in params.items():
+        assert hf[key] == value, f"{key}: ours {value}, transformers {hf[key]}"
+
+
+def test_unsupported_rope_type_is_named(tiny_config: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="'dynamic'.*supported: none, linear, llama3, yarn"):
+        ModelConfig.from_dict(tiny_config | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+def test_defaults_for_keys_older_configs_omit(tiny_config: dict[str, Any]) -> None:
+    raw = {k: v for k, v in tiny_config.items()
+           if k not in ("head_dim", "num_key_value_heads", "rope_theta", "eos_token_id", "architectures")}
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.head_dim == 256 // 4 and cfg.num_kv_heads == cfg.num_heads == 4
+    assert cfg.rope.theta == 10000.0 and cfg.eos_token_ids == ()
+    assert cfg.architecture == "Qwen3ForCausalLM"
+
+
+def test_eos_list_and_dtype_key(tiny_config: dict[str, Any]) -> None:
+    raw = {k: v for k, v in tiny_config.items() if k != "torch_dtype"}
+    cfg = ModelConfig.from_dict(raw | {"eos_token_id": [8002, 8000], "dtype": "bfloat16"})
+    assert cfg.eos_token_ids == (8002, 8000) and cfg.hf_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_attention_heads \\(4\\) must be a multiple"),
+    ({"vocab_size": 0}, "vocab_size must be positive"),
+    ({"num_hidden_layers": -1}, "num_layers must be positive"),
+])
+def test_invalid_shapes_are_refused(tiny_config: dict[str, Any], keys: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(tiny_config | keys)
+
+
+# ---- dtype and device ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, device, checkpoint, expected", [
+    ("auto", CPU, "bfloat16", torch.float32),  # no fast bfloat16 on common CPUs
+    ("auto", CPU, None, torch.float32),
+    ("auto", CUDA, "float16", torch.float16),
+    ("auto", CUDA, "torch.bfloat16", torch.bfloat16),
+    ("auto", CUDA, "float32", torch.bfloat16),  # a float32 checkpoint is served in half precision
+    ("auto", CUDA, None, torch.bfloat16),
+    ("float32", CUDA, "bfloat16", torch.float32),
+    ("bfloat16", CPU, "float32", torch.bfloat16),
+    ("float16", CPU, None, torch.float16),
+])
+def test_resolve_dtype(dtype: str, device: torch.device, checkpoint: str | None, expected: torch.dtype) -> None:
+    assert resolve_dtype(dtype, device, checkpoint) == expected
+
+
+def test_unknown_dtype_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match="'int8'.*auto.*float32.*bfloat16.*float16"):
+        resolve_dtype("int8", CPU, None)
+
+
+def test_resolve_device() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device(None).type == expected
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused() -> None:
+    with pytest.raises(ValueError, match="--device cuda:0: CUDA is not available"):
+        resolve_device("cuda:0")
