@@ -7,7 +7,12 @@ MODEL_NAME ?= qwen3-tiny
 MODEL_DIR := models/$(MODEL_NAME)
 PYTEST_ARGS ?=
 
-.PHONY: install model test test-fast serve bench clean
+HOST ?= 127.0.0.1
+PORT ?= 30000
+ZMQ_PORT ?= 30001
+SERVE_ARGS ?=
+
+.PHONY: install model test serve demo bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +31,14 @@ $(MODEL_DIR)/model.safetensors: configs/models/$(MODEL_NAME).json
 
 test: install model
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+# Start the server on the default model: HTTP on $(PORT), the ZMQ client endpoint on $(ZMQ_PORT).
+serve: install model
+	$(PYTHON) -m minisgl_mp.launch --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --zmq-port $(ZMQ_PORT) $(SERVE_ARGS)
+
+# Everything at once: install, build the model, start the server, send it prompts, stop it.
+demo: install model
+	$(PYTHON) launch/demo.py --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis
