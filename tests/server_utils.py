@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,28 +80,30 @@ class ServerProcess:
 
 
 def _drain(proc: subprocess.Popen[str], log: list[str], timeout: float) -> None:
-    """Append the complete output lines that arrive within `timeout` to `log`.
+    """Wait up to `timeout` s for more output (less once it has ended).
 
-    Reads the raw pipe: a buffered readline() after select() can leave lines in Python's
-    buffer, unseen until more output comes (a ready line missed by an idle server)."""
-    if proc.stdout is None:
-        return
-    fd = proc.stdout.fileno()
-    partial: bytes = getattr(proc, "_partial_line", b"")
-    sel = selectors.DefaultSelector()
-    sel.register(fd, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while sel.select(max(0.0, deadline - time.monotonic())):
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:  # EOF: the last line may lack its newline
-            if partial:
-                log.append(partial.decode(errors="replace"))
-                partial = b""
-            break
-        *lines, partial = (partial + chunk).split(b"\n")
-        log.extend(line.decode(errors="replace") for line in lines)
-    proc._partial_line = partial  # type: ignore[attr-defined]
-    sel.close()
+    A reader thread (`_start_reader`) collects the lines as they come: the server must never
+    block on a full output pipe because a test is busy elsewhere, and a buffered readline()
+    after select() could leave a line (the ready line) unseen until more output came."""
+    reader = _READERS.get(proc.pid)
+    if reader is not None:
+        reader.join(timeout)
+        if not reader.is_alive():
+            _READERS.pop(proc.pid, None)
+
+
+_READERS: dict[int, threading.Thread] = {}  # launcher pid -> the thread reading its output
+
+
+def _start_reader(proc: subprocess.Popen[str], log: list[str]) -> None:
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, name=f"server-log-{proc.pid}", daemon=True)
+    reader.start()
+    _READERS[proc.pid] = reader
 
 
 def launch_server(model: str | Path, *args: str, timeout: float = 180.0, http: bool = True,
@@ -111,6 +113,7 @@ def launch_server(model: str | Path, *args: str, timeout: float = 180.0, http: b
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     log: list[str] = []
+    _start_reader(proc, log)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

@@ -136,8 +136,14 @@ class ZmqFrontend:
             logger.warning("request %s aborted: %s", rid, e)
 
     def _send(self, envelope: list[bytes], reply: dict[str, Any]) -> None:
+        # NOTE: an asyncio socket's send returns a future instead of raising; a NOBLOCK send
+        # has resolved by the time it returns, so its result is where a failure shows.
+        fut = self.sock.send_multipart(envelope + [msgpack.packb(reply, use_bin_type=True)], flags=zmq.NOBLOCK)
+        if not fut.done():  # queued behind an earlier blocking send: let it finish on its own
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return
         try:
-            self.sock.send_multipart(envelope + [msgpack.packb(reply, use_bin_type=True)], flags=zmq.NOBLOCK)
+            fut.result()
         except zmq.Again:
             raise ClientGone("the client is not reading its replies (send queue full)") from None
         except zmq.ZMQError as e:
