@@ -184,9 +184,18 @@ class Launcher:
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
 
 
+# The scheduler shares the cores with the tokenizer and detokenizer processes and, often, with
+# the clients: OpenMP threads that spin while they wait for work would take the core from
+# whoever needs it (measured on 2 cores with one other busy process: a decode step 7x slower
+# than with sleeping waits). The user's own setting wins.
+SERVER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def main(argv: list[str] | None = None) -> int:
     engine, server = parse_args(argv)
     setup_logging(server.log_level, "launch")
+    for key, value in SERVER_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)  # inherited by the spawned processes
     ipc_dir = None
     launcher = None
     try:
@@ -197,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("serving on %s: reachable from other machines%s", server.host,
                            "" if server.api_key else " without --api-key")
         ipc_dir = tempfile.mkdtemp(prefix="minisgl_mp-")  # mode 0700, unique per server
+        logger.info("internal sockets in %s", ipc_dir)
         config = ServerConfig(engine=engine, server=server, model=model, ipc_dir=ipc_dir)
         launcher = Launcher(config)
         for sig in (signal.SIGINT, signal.SIGTERM):
