@@ -41,6 +41,7 @@ class EngineConfig:
     max_prefill_streak: int = field(default=2, metadata=_help("without mixed batches: prefill steps in a row before decode runs"))
     attention_backend: str = field(default="torch", metadata=_help("attention implementation"))
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack linear weights for oneDNN"))
+    cpu_attention_kernel: bool = field(default=True, metadata=_help("on CPU, the C paged-attention kernel for decode and short extends (built on first use; PyTorch fallback)"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
 
     def __post_init__(self) -> None:

@@ -1,9 +1,14 @@
-"""Attention in plain PyTorch (scaled_dot_product_attention); runs on CPU and GPU.
+"""Attention in PyTorch, with the C paged-attention kernel for short query runs on the CPU.
 
-Decode gathers each request's K/V from the pool into a padded [B, L] batch once per layer and
-attends in one call. The Hq / Hkv query heads that share a KV head are folded into the query
-length, so grouped-query attention needs no K/V expansion. Extend runs one call per request:
-prefills carry many tokens each, so the loop is cheap next to the work.
+A batch's requests split three ways, once per forward in `prepare`:
+- short runs (decodes, and extends of at most KERNEL_MAX_QUERY tokens) go to the C kernel
+  when it is available (CPU, float32): it reads K/V straight from the pool through the page
+  table, with no gathered copy;
+- otherwise decodes gather their K/V into a padded [B, L] batch (a reused workspace) and attend
+  in one scaled_dot_product_attention call, the Hq / Hkv query heads of a KV head folded into
+  the query length so grouped-query attention needs no K/V expansion;
+- longer extends run one scaled_dot_product_attention call each: prefills carry many tokens
+  each, so the loop is cheap next to the work.
 """
 
 from __future__ import annotations
@@ -13,16 +18,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl_mp.attention.base import AttentionBackend, BatchLayout, ForwardMode
+from minisgl_mp.attention import cpu_kernel
+from minisgl_mp.attention.base import AttentionBackend, BatchLayout
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 
+# Query runs up to this long go to the C kernel: its cost grows with queries x keys without a
+# matrix-product blocking, which SDPA's flash kernel wins at for long prompts.
+KERNEL_MAX_QUERY = 16
+
 
 @dataclass(frozen=True)
-class _DecodeMeta:
-    out_loc: torch.Tensor
-    kv_index: torch.Tensor  # [B, L] KV slots, padded past each request's length
-    mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is real; None if none is padding
+class _KernelRun:
+    """Requests for the C kernel. All int64 CPU tensors, one entry per request."""
+
+    kv_index: torch.Tensor  # [Bk, L] page-table rows
+    q_start: torch.Tensor  # first token row of each request in the batch
+    q_len: torch.Tensor
+    kv_len: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _PaddedDecode:
+    rows: torch.Tensor  # [Bd] token rows of the decoding requests in the batch
+    kv_index: torch.Tensor  # [Bd, L] KV slots, the pad slot past each request's length
+    mask: torch.Tensor | None  # [Bd, 1, 1, L] True where a key is real; None if none is padding
 
 
 @dataclass(frozen=True)
@@ -34,14 +54,16 @@ class _ExtendSeq:
 
 
 @dataclass(frozen=True)
-class _ExtendMeta:
+class _Metadata:
     out_loc: torch.Tensor
+    kernel: _KernelRun | None
+    decode: _PaddedDecode | None
     seqs: tuple[_ExtendSeq, ...]
 
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, req_table: ReqTable, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> None:
+                 head_dim: int, use_cpu_kernel: bool = True) -> None:
         self.pool = pool
         self.req_table = req_table
         self.num_heads = num_heads
@@ -49,59 +71,106 @@ class TorchAttentionBackend(AttentionBackend):
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.use_cpu_kernel = (use_cpu_kernel and pool.k.device.type == "cpu"
+                               and pool.k.dtype == torch.float32 and cpu_kernel.load() is not None)
+        # Gathered K/V of a padded decode batch, reused layer after layer and step after step:
+        # a fresh tensor of this size per layer costs more in page faults than the copy.
+        self._k_buf = torch.empty(0, num_kv_heads, head_dim, dtype=pool.k.dtype, device=pool.k.device)
+        self._v_buf = torch.empty_like(self._k_buf)
 
-    def prepare(self, layout: BatchLayout) -> _DecodeMeta | _ExtendMeta:
+    def prepare(self, layout: BatchLayout) -> _Metadata:
         table = self.req_table.table
         device = table.device
-        if layout.mode is ForwardMode.DECODE:
-            seq_lens = layout.seq_lens
-            max_len = max(seq_lens)
-            kv_index = table.index_select(0, layout.req_slots)[:, :max_len]
+        slots = layout.req_slots.tolist()
+        starts, start = [], 0
+        for n in layout.extend_lens:
+            starts.append(start)
+            start += n
+        kernel, decode, long = [], [], []
+        for i, (cached, n) in enumerate(zip(layout.cached_lens, layout.extend_lens)):
+            if self.use_cpu_kernel and n <= KERNEL_MAX_QUERY:
+                kernel.append(i)
+            elif n == 1 and cached > 0:
+                decode.append(i)
+            else:
+                long.append(i)
+        seq_lens = layout.seq_lens
+
+        kernel_run = None
+        if kernel:
+            rows = torch.tensor([slots[i] for i in kernel], device=device)
+            kernel_run = _KernelRun(
+                kv_index=table[:, : max(seq_lens[i] for i in kernel)].index_select(0, rows),
+                q_start=torch.tensor([starts[i] for i in kernel]),
+                q_len=torch.tensor([layout.extend_lens[i] for i in kernel]),
+                kv_len=torch.tensor([seq_lens[i] for i in kernel]),
+            )
+
+        padded = None
+        if decode:
+            lens = [seq_lens[i] for i in decode]
+            max_len = max(lens)
+            kv_index = table[:, :max_len].index_select(0, torch.tensor([slots[i] for i in decode], device=device))
             mask = None
-            if min(seq_lens) != max_len:
-                lens = torch.tensor(seq_lens, device=device)
-                valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+            if min(lens) != max_len:
+                valid = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
                 # Past a request's length the table holds stale slots: read the zero pad slot.
                 kv_index = kv_index.masked_fill(~valid, self.pool.pad_slot)
                 mask = valid[:, None, None, :]
-            return _DecodeMeta(layout.out_loc, kv_index, mask)
+            padded = _PaddedDecode(torch.tensor([starts[i] for i in decode], device=device), kv_index, mask)
 
         seqs = []
-        start = 0
-        slots = layout.req_slots.tolist()
-        for row, cached, n in zip(slots, layout.cached_lens, layout.extend_lens):
+        for i in long:
+            cached, n, row = layout.cached_lens[i], layout.extend_lens[i], slots[i]
             kv_index = mask = None
             if cached > 0:
                 kv_index = table[row, : cached + n]
                 if n > 1:
                     q_pos = torch.arange(cached, cached + n, device=device)
                     mask = torch.arange(cached + n, device=device)[None, :] <= q_pos[:, None]
-            seqs.append(_ExtendSeq(start, start + n, kv_index, mask))
-            start += n
-        return _ExtendMeta(layout.out_loc, tuple(seqs))
+            seqs.append(_ExtendSeq(starts[i], starts[i] + n, kv_index, mask))
+        return _Metadata(layout.out_loc, kernel_run, padded, tuple(seqs))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                metadata: _DecodeMeta | _ExtendMeta) -> torch.Tensor:
+                metadata: _Metadata) -> torch.Tensor:
         self.pool.store(layer_id, metadata.out_loc, k, v)
-        if isinstance(metadata, _DecodeMeta):
-            return self._decode(q, layer_id, metadata)
-        return self._extend(q, k, v, layer_id, metadata)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if metadata.kernel is not None:
+            run = metadata.kernel
+            cpu_kernel.paged_attention(q, self.pool.k[layer_id], self.pool.v[layer_id], run.kv_index,
+                                       run.q_start, run.q_len, run.kv_len, out, self.scale)
+        if metadata.decode is not None:
+            out[metadata.decode.rows] = self._padded_decode(q[metadata.decode.rows], layer_id, metadata.decode)
+        if metadata.seqs:
+            self._extend(q, k, v, layer_id, metadata.seqs, out)
+        return out
 
-    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta) -> torch.Tensor:
-        b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
-        # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        k = self.pool.k[layer_id][meta.kv_index].transpose(1, 2)
-        v = self.pool.v[layer_id][meta.kv_index].transpose(1, 2)
+    def _gather(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots in `index` ([B, L]) as [B, L, Hkv, D] views of the workspace."""
+        n = index.numel()
+        if self._k_buf.shape[0] < n:
+            self._k_buf = self._k_buf.new_empty((n, self.num_kv_heads, self.head_dim))
+            self._v_buf = torch.empty_like(self._k_buf)
+        flat = index.reshape(-1)
+        k = torch.index_select(self.pool.k[layer_id], 0, flat, out=self._k_buf[:n])
+        v = torch.index_select(self.pool.v[layer_id], 0, flat, out=self._v_buf[:n])
+        shape = (*index.shape, self.num_kv_heads, self.head_dim)
+        return k.view(shape), v.view(shape)
+
+    def _padded_decode(self, q: torch.Tensor, layer_id: int, meta: _PaddedDecode) -> torch.Tensor:
+        b, d = q.shape[0], self.head_dim
+        k, v = self._gather(layer_id, meta.kv_index)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
         # q: [B, Hq, D] -> [B, Hkv, G, D]: a KV head's group of query heads acts as its queries.
-        qg = q.view(b, hkv, self.group, d)
+        qg = q.view(b, self.num_kv_heads, self.group, d)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask, scale=self.scale)
         return out.reshape(b, self.num_heads, d)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: _ExtendMeta) -> torch.Tensor:
-        out = torch.empty_like(q)
+                seqs: tuple[_ExtendSeq, ...], out: torch.Tensor) -> None:
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
-        for s in meta.seqs:
+        for s in seqs:
             qi = q[s.q_start : s.q_end].transpose(0, 1)  # [Hq, n, D]
             if s.kv_index is None:
                 ki = k[s.q_start : s.q_end].transpose(0, 1)
@@ -114,4 +183,3 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=self.scale, enable_gqa=self.group > 1,
             )
             out[s.q_start : s.q_end] = oi.transpose(0, 1)
-        return out

@@ -45,7 +45,10 @@ class ModelRunner:
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
                            mc.head_dim, dtype, device)
         self.req_table = ReqTable(config.max_running_requests, context_len, device)
-        self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads,
+                                             mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel)
+        logger.info("attention: %s", "C paged kernel for short runs + PyTorch SDPA"
+                    if self.backend.use_cpu_kernel else "PyTorch SDPA")
 
     @torch.inference_mode()
     def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,

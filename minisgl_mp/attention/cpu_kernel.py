@@ -1,0 +1,126 @@
+"""The C paged-attention kernel for the CPU (csrc/paged_attention.c), built on first use.
+
+It is compiled with the system C compiler (about a second) into a per-user cache and loaded
+with ctypes: no torch headers, no pybind. OpenMP is resolved to the libgomp torch has already
+loaded, so the kernel shares torch's threads and settings. Anything that goes wrong (no
+compiler, a failed build) is logged once and the caller falls back to the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+# Wide vectors where the CPU has them; reassociated float sums (as any SIMD reduction does),
+# with infinities kept meaningful.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+if platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # gcc stops at 256-bit vectors on x86 by default
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_f32p = ctypes.POINTER(ctypes.c_float)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MINISGL_MP_KERNEL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minisgl_mp", "kernels")
+    return Path(base)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version, _cpu_model()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
+        os.replace(out, target)  # atomic: concurrent builders race harmlessly
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None when it cannot be built here (logged once)."""
+    global _LIB, _TRIED
+    if _TRIED:
+        return _LIB
+    _TRIED = True
+    if os.environ.get("MINISGL_MP_NO_CPU_KERNEL"):
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.warning("no C compiler found: CPU attention falls back to PyTorch (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("CPU attention kernel unavailable (%s): falling back to PyTorch", e)
+        return None
+    fn = lib.paged_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_f32p, _f32p, _f32p, _i64p, ctypes.c_int64, _i64p, _i64p, _i64p, _f32p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
+    _LIB = lib
+    return lib
+
+
+def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]
+    return ctypes.cast(t.data_ptr(), kind)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
+                    q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
+                    scale: float) -> None:
+    """out[rows of each request] = causal attention of its query rows over its paged KV.
+
+    q, out: [T, Hq, D]; k, v: [S, Hkv, D] (one layer); kv_index: [B, stride] int64;
+    q_start, q_len, kv_len: [B] int64. All float32 / int64, contiguous, on the CPU.
+    """
+    lib = _LIB if _LIB is not None else load()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    for name, t in (("kv_index", kv_index), ("q_start", q_start), ("q_len", q_len), ("kv_len", kv_len)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    batch = q_start.numel()
+    # Split a request's kv heads over threads only when requests alone cannot keep them busy.
+    chunks = 1
+    while batch * chunks < 2 * torch.get_num_threads() and hkv % (chunks * 2) == 0:
+        chunks *= 2
+    rc = lib.paged_attention_f32(
+        _ptr(q, _f32p), _ptr(k, _f32p), _ptr(v, _f32p), _ptr(kv_index, _i64p), kv_index.shape[1],
+        _ptr(q_start, _i64p), _ptr(q_len, _i64p), _ptr(kv_len, _i64p), _ptr(out, _f32p),
+        batch, hq, hkv, d, scale, chunks)
+    if rc != 0:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch space")

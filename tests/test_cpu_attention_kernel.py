@@ -1,0 +1,83 @@
+"""The C paged-attention kernel against PyTorch's scaled_dot_product_attention: decodes and
+short extends over scattered pool slots, grouped-query shapes, and the PyTorch fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl_mp.attention import cpu_kernel
+from minisgl_mp.attention.base import BatchLayout, ForwardMode
+from minisgl_mp.attention.torch_backend import KERNEL_MAX_QUERY, TorchAttentionBackend
+from minisgl_mp.kvcache.pool import KVPool
+from minisgl_mp.kvcache.req_table import ReqTable
+
+pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel cannot be built")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, q_len: int) -> torch.Tensor:
+    """q: [n, Hq, D] for the last n of len(slots) positions -> [n, Hq, D]."""
+    n_kv = len(slots)
+    ks, vs = k[slots].transpose(0, 1), v[slots].transpose(0, 1)
+    first = n_kv - q_len
+    mask = torch.arange(n_kv)[None, :] <= (first + torch.arange(q_len))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 128), (16, 8, 128), (6, 1, 32)])
+def test_kernel_matches_sdpa(hq: int, hkv: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(hq * 100 + d)
+    slots_total = 5000
+    k = torch.randn(slots_total, hkv, d, generator=gen)
+    v = torch.randn(slots_total, hkv, d, generator=gen)
+    q_lens = [1, 1, 4, KERNEL_MAX_QUERY, 1, 7]
+    kv_lens = [1, 300, 4, 40, 17, 700]
+    stride = max(kv_lens) + 5
+    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
+    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
+    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3  # peaky softmax too
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5)
+    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(int(q_start[b]), int(q_start[b]) + nq)
+        torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)
+
+
+def test_bad_inputs_are_refused() -> None:
+    q = torch.zeros(1, 2, 8)
+    k = torch.zeros(4, 2, 8)
+    idx = torch.zeros(1, 4, dtype=torch.int64)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernel.paged_attention(q.double(), k, k, idx, one - 1, one, one, q, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernel.paged_attention(q, k, k, idx.int(), one - 1, one, one, q, 1.0)
+
+
+def test_backend_uses_the_kernel_for_short_runs_and_sdpa_for_long_ones() -> None:
+    """A mixed batch (decodes, a short extend over a prefix, a long prefill) through the backend
+    with and without the kernel gives the same attention output."""
+    hq, hkv, d = 8, 2, 64
+    pool = KVPool(1, 4096, hkv, d, torch.float32, torch.device("cpu"))
+    table = ReqTable(4, 512, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    perm = torch.randperm(4096, generator=gen)
+    cached, extend = (120, 0, 33, 9), (1, 60, 5, 1)
+    for row, n in enumerate(c + e for c, e in zip(cached, extend)):
+        table.table[row, :n] = perm[row * 1000 : row * 1000 + n]
+        pool.k[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen)
+        pool.v[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen)
+    out_loc = torch.cat([table.table[r, c : c + e] for r, (c, e) in enumerate(zip(cached, extend))])
+    layout = BatchLayout(ForwardMode.EXTEND, torch.arange(4), cached, extend, out_loc)
+    t = sum(extend)
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(pool, table, hq, hkv, d, use_cpu_kernel=use_kernel)
+        assert backend.use_cpu_kernel is use_kernel
+        meta = backend.prepare(layout)
+        assert (meta.kernel is not None) is use_kernel
+        outs.append(backend.forward(q, k, v, 0, meta))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
