@@ -1,0 +1,143 @@
+"""How close one engine decode step comes to the cost of its matrix products.
+
+Three figures per batch size B, all float32 on this machine, measured in the same run:
+- the engine's decode step: `scheduler.step()` with exactly B requests decoding at a given
+  context (checked on every timed step: B outputs of one token, B decode tokens, no prefill);
+- a bare chain of the same products on the engine's own weights: per layer qkv, o, gate_up and
+  down with the engine's fused shapes, then the LM head, on a [B, in] input, nothing else;
+  once through the engine's Linear forward (prepacked oneDNN when on), once via F.linear;
+- the raw floors: weight bytes / measured read bandwidth, and FLOPs / measured matmul FLOP/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from minisgl_mp.llm import LLM
+from minisgl_mp.sampling_params import SamplingParams
+
+
+def best_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_bandwidth(mib: int = 512, reps: int = 5) -> dict[str, float]:
+    """GB/s reading a tensor far larger than the caches (sum), and copying it (read + write)."""
+    n = mib * 2**20 // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    read = min(best_seconds(lambda: x.sum(), reps))
+    copy = min(best_seconds(lambda: y.copy_(x), reps))
+    return {"tensor_mib": mib, "read_gbps": x.nbytes / read / 1e9, "copy_gbps": 2 * x.nbytes / copy / 1e9}
+
+
+def measure_matmul(n: int = 2048, reps: int = 5) -> dict[str, float]:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = min(best_seconds(lambda: a @ b, reps))
+    return {"matmul_n": n, "gflops": 2 * n**3 / t / 1e9}
+
+
+def chain(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Callable[[], None], int, int]:
+    """(engine-Linear chain, F.linear chain, weight bytes, FLOPs) for one decode step's
+    products: each Linear of each layer, then the LM head, on a batch of `batch` rows."""
+    linears = []
+    for layer in model.layers:
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    linears.append(model.lm_head)
+    inputs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}  # x: [B, in]
+    pairs = [(m, inputs[m.in_features]) for m in linears]
+
+    @torch.inference_mode()
+    def through_engine() -> None:
+        for m, x in pairs:
+            m(x)
+
+    @torch.inference_mode()
+    def through_f_linear() -> None:
+        for m, x in pairs:
+            F.linear(x, m.weight)
+
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    flops = 2 * batch * sum(m.weight.numel() for m in linears)
+    return through_engine, through_f_linear, weight_bytes, flops
+
+
+def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: int,
+                        token_range: int, seed: int, progress: bool = True) -> list[float]:
+    """Seconds of each of `steps` scheduler steps with exactly `batch` requests decoding."""
+    sched = llm.scheduler
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
+    rids = [f"floor-{batch}-{i}" for i in range(batch)]
+    for rid in rids:
+        sched.add_request(rid, torch.randint(token_range, (context,), generator=gen).tolist(), params)
+    try:
+        while sched.waiting or any(not r.is_decoding for r in sched.running):
+            sched.step()
+        for _ in range(warmup):
+            sched.step()
+        times = []
+        for _ in tqdm(range(steps), desc=f"engine decode B={batch}", disable=not progress, leave=False):
+            before = sched.stats.decode_tokens, sched.stats.prefill_tokens
+            start = time.perf_counter()
+            outs = sched.step()
+            times.append(time.perf_counter() - start)
+            decoded, prefilled = sched.stats.decode_tokens - before[0], sched.stats.prefill_tokens - before[1]
+            if len(outs) != batch or decoded != batch or prefilled or any(len(o.new_token_ids) != 1 for o in outs):
+                raise RuntimeError(
+                    f"a timed step was not {batch} decodes: {len(outs)} outputs, {decoded} decode and "
+                    f"{prefilled} prefill tokens (retracted? give the KV pool more pages)")
+        return times
+    finally:
+        for rid in rids:
+            sched.abort(rid)
+        while sched.has_work:
+            sched.step()
+        sched.flush_cache()
+
+
+def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: int, chain_reps: int,
+            token_range: int, seed: int, bandwidth: dict[str, float], matmul: dict[str, float],
+            progress: bool = True) -> list[dict[str, Any]]:
+    model = llm.scheduler.runner.model
+    rows = []
+    for b in batch_sizes:
+        step = engine_decode_steps(llm, b, context, steps, warmup, token_range, seed, progress)
+        via_engine, via_f, weight_bytes, flops = chain(model, b)
+        chain_engine = best_seconds(via_engine, chain_reps)
+        chain_f = best_seconds(via_f, chain_reps)
+        bw_floor = weight_bytes / (bandwidth["read_gbps"] * 1e9)
+        flop_floor = flops / (matmul["gflops"] * 1e9)
+        step_s = statistics.median(step)
+        row = {
+            "batch": b, "context_start": context + 1 + warmup, "context_end": context + warmup + steps,
+            "step_ms": {"median": step_s * 1e3, "mean": statistics.fmean(step) * 1e3, "min": min(step) * 1e3},
+            "chain_engine_linear_ms": statistics.median(chain_engine) * 1e3,
+            "chain_f_linear_ms": statistics.median(chain_f) * 1e3,
+            "weight_bytes": weight_bytes, "flops": flops,
+            "floor_bandwidth_ms": bw_floor * 1e3, "floor_flops_ms": flop_floor * 1e3,
+            "floor_ms": max(bw_floor, flop_floor) * 1e3,
+            "decode_tps": b / step_s,
+        }
+        row["ratios"] = {
+            "step_over_chain_engine_linear": step_s * 1e3 / row["chain_engine_linear_ms"],
+            "step_over_chain_f_linear": step_s * 1e3 / row["chain_f_linear_ms"],
+            "step_over_floor_bandwidth": step_s / bw_floor,
+            "step_over_floor_flops": step_s / flop_floor,
+            "step_over_floor": step_s * 1e3 / row["floor_ms"],
+        }
+        rows.append(row)
+    return rows

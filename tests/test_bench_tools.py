@@ -1,0 +1,133 @@
+"""Smoke tests of the benchmark tools: each tool's tiniest run on the default model finishes
+and writes a report whose numbers add up (what a user reading it relies on)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_SIZES = ["--input-len", "8,24", "--output-len", "2,5", "--no-progress"]
+
+
+def load_tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "launch" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads() -> Iterator[None]:
+    # The tools set torch's thread count for the whole process (--num-threads).
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_offline_random_against_both_baselines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    rc = load_tool("bench_offline").main(["--model", str(tiny_model_dir), "--num-prompts", "3", *TINY_SIZES,
+                                          "--hf-batch-sizes", "1,2", "--hf-max-requests", "2",
+                                          "--num-threads", "1", "--out", str(out)])
+    assert rc == 0
+    report = read(out)
+    res = report["results"]
+    assert report["model"]["same_weights"] is True
+    assert res["engine"]["requests"] == 3 and res["engine"]["output_tps"] > 0
+    # Every prompt token was either computed or served from the cache, exactly once.
+    stats = res["engine"]["engine_stats"]
+    assert stats["prefill_tokens"] + stats["cached_prompt_tokens"] == res["engine"]["input_tokens"]
+    assert [r["batch_size"] for r in res["hf_static"]] == [1, 2]
+    for r in res["hf_static"]:
+        assert "error" not in r, r
+        assert r["requests"] == 2 and r["generated_incl_padding"] >= r["output_tokens"]
+    # Continuous batching either ran or says why not.
+    assert res["hf_cb"].get("output_tps", 0) > 0 or res["hf_cb"]["error"]
+    assert report["ratios"]["engine_over_best_static_output_tps"] > 0
+    assert report["machine"]["torch"] == torch.__version__
+
+
+def test_offline_shared_prefix_and_multi_turn_reuse_the_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tool = load_tool("bench_offline")
+    shared = tmp_path / "shared.json"
+    # A small prefill budget: later prompts of a group are admitted after the first is cached.
+    assert tool.main(["--model", str(tiny_model_dir), "--workload", "shared-prefix", "--num-groups", "2",
+                      "--prompts-per-group", "3", "--system-len", "48", "--question-len", "4", "--output-len", "2",
+                      "--max-prefill-tokens", "64", "--compare-naive", "--no-hf", "--no-progress",
+                      "--out", str(shared)]) == 0
+    report = read(shared)
+    assert report["results"]["engine_naive"]["engine_stats"]["cached_prompt_tokens"] == 0
+    assert report["ratios"]["naive_over_radix_prefill_tokens"] > 1.0
+
+    multi = tmp_path / "multi.json"
+    assert tool.main(["--model", str(tiny_model_dir), "--workload", "multi-turn", "--num-prompts", "2",
+                      "--num-turns", "2", "--system-len", "8", *TINY_SIZES, "--no-hf", "--out", str(multi)]) == 0
+    report = read(multi)
+    engine = report["results"]["engine"]
+    assert report["workload"]["rounds"] == 2 and engine["requests"] == 4
+    assert engine["engine_stats"]["cached_prompt_tokens"] > 0  # turn 2 starts with turn 1's KV
+
+
+def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "floor.json"
+    assert load_tool("bench_offline").main([
+        "--model", str(tiny_model_dir), "--decode-floor", "--batch-sizes", "1,3", "--context-len", "16",
+        "--decode-steps", "2", "--warmup-steps", "1", "--chain-reps", "2", "--bandwidth-mib", "8",
+        "--no-progress", "--out", str(out)]) == 0
+    floor = read(out)["decode_floor"]
+    assert [r["batch"] for r in floor["rows"]] == [1, 3]
+    for row in floor["rows"]:
+        assert row["step_ms"]["median"] > 0 and row["chain_engine_linear_ms"] > 0 and row["floor_ms"] > 0
+        assert row["flops"] == row["batch"] * floor["rows"][0]["flops"]
+        assert all(v > 0 for v in row["ratios"].values())
+
+
+def test_serving_sweep_over_zmq_writes_report_and_plots(tiny_model_dir: Path, tmp_path: Path) -> None:
+    plots = importlib.util.find_spec("matplotlib") is not None
+    out = tmp_path / "serving.json"
+    rc = load_tool("bench_serving").main([
+        "--launch", str(tiny_model_dir), "--num-prompts", "4", *TINY_SIZES, "--request-rates", "20,inf",
+        "--warmup-requests", "1", "--server-log", str(tmp_path / "server.log"), "--plot-dir", str(tmp_path),
+        "--out", str(out), *(() if plots else ("--no-plots",))])
+    assert rc == 0
+    report = read(out)
+    assert [r["request_rate"] for r in report["runs"]] == [20.0, math.inf]
+    for run in report["runs"]:
+        m = run["metrics"]
+        assert (m["completed"], m["failed"], m["outputs_of_wrong_length"]) == (4, 0, 0)
+        assert 0 < m["ttft_ms"]["mean"] <= m["e2e_ms"]["mean"]
+        assert m["output_tokens"] >= 4 * 2 and m["itl_ms"]["count"] > 0
+        assert run["cache_flushed"] is True
+        assert run["server_engine_stats"]["cached_prompt_tokens"] == 0  # flushed before each rate
+    if plots:
+        assert len(report["plots"]) == 2
+        for p in report["plots"]:
+            assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_offline_over_openai_http(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    rc = load_tool("bench_serving").main([
+        "--compare-offline", "--backend", "openai", "--launch", str(tiny_model_dir), "--max-concurrency", "4",
+        "--num-prompts", "4", *TINY_SIZES, "--warmup-requests", "1", "--no-plots",
+        "--server-log", str(tmp_path / "server.log"), "--out", str(out)])
+    assert rc == 0
+    report = read(out)
+    run = report["runs"][0]["metrics"]
+    assert run["completed"] == 4 and run["outputs_of_wrong_length"] == 0
+    assert report["offline"]["output_tokens"] == run["output_tokens"]
+    assert report["offline"]["max_running_requests"] == 4
+    assert report["server_over_offline_output_tps"] > 0
