@@ -23,9 +23,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-# Wide vectors where the CPU has them; reassociated float sums (as any SIMD reduction does),
-# with infinities kept meaningful.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+# NOTE: never -ffast-math here: linking a shared library with it pulls in crtfastmath.o, whose
+# constructor turns on flush-to-zero for the whole process as soon as the library loads. The
+# kernel flushes denormals itself, for its own duration only; its sums are reassociated
+# through `omp simd reduction`, which needs no global flag.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # gcc stops at 256-bit vectors on x86 by default
 _LIB: ctypes.CDLL | None = None

@@ -55,6 +55,19 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise WireError(f"msgpack extension type {code} is not accepted")
 
 
+# msgpack decodes extension type -1 (timestamp) itself, without asking ext_hook: catch it in
+# the containers it can only appear in (a bare timestamp is no map, so it fails anyway).
+def _no_timestamp_list(items: list[Any]) -> list[Any]:
+    if any(isinstance(x, msgpack.Timestamp) for x in items):
+        raise WireError("msgpack extension type -1 (timestamp) is not accepted")
+    return items
+
+
+def _no_timestamp_map(d: dict[str, Any]) -> dict[str, Any]:
+    _no_timestamp_list(list(d.values()))
+    return d
+
+
 def _check(value: Any, tp: Any, path: str) -> Any:
     """Validate `value` against annotation `tp`; returns it in Python form."""
     origin = typing.get_origin(tp)
@@ -180,7 +193,8 @@ class Channel:
 def unpack_map(data: bytes, max_bytes: int) -> dict[str, Any]:
     """msgpack bytes -> a map, refusing extension types and anything that is not a map."""
     try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook,
+                            list_hook=_no_timestamp_list, object_hook=_no_timestamp_map)
     except WireError:
         raise
     except Exception as e:  # msgpack raises several types for malformed input
