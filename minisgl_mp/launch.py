@@ -53,12 +53,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerArgs]
 def resolve_model_info(engine: EngineConfig, server: ServerArgs) -> ModelInfo:
     source = resolve_model(engine.model, engine.load_format, engine.tokenizer)
     cfg = ModelConfig.from_file(source.config_path)
-    context_len = cfg.max_position_embeddings
-    if engine.context_length is not None:
-        if engine.context_length > context_len:
-            raise StartupError(f"--context-length {engine.context_length} exceeds the model's "
-                               f"max_position_embeddings {context_len}")
-        context_len = engine.context_length
+    context_len = cfg.context_len(engine.context_length)
     if source.tokenizer_dir is None:
         raise StartupError(f"model {engine.model!r} has no tokenizer; pass --tokenizer <folder>")
     return ModelInfo(name=server.served_model_name or engine.model, config_path=str(source.config_path),

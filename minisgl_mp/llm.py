@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer
 from minisgl_mp.engine.builder import build_scheduler
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.sampling_params import SamplingParams
@@ -27,8 +28,6 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[dict[str, Any]]:
-        from minisgl_mp.detokenizer.incremental import IncrementalDetokenizer
-
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -45,7 +44,7 @@ class LLM:
                 rids.append(rid)
                 if self.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                                         stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-8:])
+                                                         stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-PROMPT_TAIL_TOKENS:])
                 results[rid] = {"token_ids": [], "logprobs": []}
         except Exception:
             # One bad prompt fails the whole call: drop the requests already queued by it.

@@ -43,7 +43,7 @@ class BenchModel:
 def _special_ids(tokenizer_dir: Path) -> dict[str, int]:
     from tokenizers import Tokenizer
 
-    from minisgl_mp.tools.make_model import ENDOFTEXT, IM_END
+    from minisgl_mp.tools.make_tokenizer import ENDOFTEXT, IM_END
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     end, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)

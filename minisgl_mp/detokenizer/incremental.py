@@ -37,7 +37,7 @@ _MAX_HELD_REPLACEMENTS = 3
 _KEEP_TOKENS = 12
 _MAX_WINDOW_TOKENS = 24
 # Prompt tokens used as decode context, for decoders whose output depends on what precedes.
-_PROMPT_CONTEXT_TOKENS = 6
+PROMPT_TAIL_TOKENS = 6
 
 
 def _trailing_replacements(text: str) -> int:
@@ -170,7 +170,7 @@ class IncrementalDetokenizer:
         self._lookback = max((len(s) for s in self._stops), default=1) - 1
         self._min_tokens = min_tokens
         self._window = _DecodeWindow(
-            tokenizer, skip_special_tokens, prompt_ids[-_PROMPT_CONTEXT_TOKENS:]
+            tokenizer, skip_special_tokens, prompt_ids[-PROMPT_TAIL_TOKENS:]
         )
         self._pending = ""  # settled text held back because it could still become a stop string
         self._tail = ""  # last self._lookback chars of returned text

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine.tokenizer import load_tokenizer
 from minisgl_mp.engine_config import EngineConfig
@@ -39,13 +41,7 @@ def resolve_engine(config: EngineConfig) -> tuple[EngineParts, Any | None]:
     model_config = ModelConfig.from_file(source.config_path)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, model_config.hf_dtype)
-    context_len = model_config.max_position_embeddings
-    if config.context_length is not None:
-        if config.context_length > context_len:
-            raise ValueError(f"context_length {config.context_length} exceeds the model's "
-                             f"max_position_embeddings {context_len}")
-        context_len = config.context_length
-    parts = EngineParts(source, model_config, device, dtype, context_len,
+    parts = EngineParts(source, model_config, device, dtype, model_config.context_len(config.context_length),
                         eos_token_ids(source, model_config, tokenizer))
     return parts, tokenizer
 
@@ -72,14 +68,14 @@ def build_scheduler(config: EngineConfig, progress: bool = True) -> tuple[Schedu
                 parts.dtype, parts.context_len)
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
                          parts.context_len, progress=progress)
-    make_checker = None
-    if tokenizer is not None:
-
-        def make_checker(req: Req) -> Any:
-            from minisgl_mp.detokenizer.incremental import IncrementalDetokenizer
-
-            p = req.params
-            return IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                          stop=p.stop, min_tokens=p.min_tokens,
-                                          prompt_ids=req.token_ids[-8:])
+    make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
     return Scheduler(config, runner, parts.eos_ids, make_checker), tokenizer
+
+
+def stop_checker(tokenizer: Any, req: Req) -> IncrementalDetokenizer:
+    """The scheduler's view of a request's text, to notice its stop strings. Built exactly as
+    the detokenizer builds its own (same settings, same prompt tail), so both stop at the
+    same token."""
+    p = req.params
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                                  min_tokens=p.min_tokens, prompt_ids=req.token_ids[-PROMPT_TAIL_TOKENS:])

@@ -62,6 +62,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def context_len(self, requested: int | None) -> int:
+        """The serving context length: `requested` (--context-length) or the model's own."""
+        if requested is None:
+            return self.max_position_embeddings
+        if requested > self.max_position_embeddings:
+            raise ValueError(f"context_length {requested} exceeds the model's "
+                             f"max_position_embeddings {self.max_position_embeddings}")
+        return requested
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, per byte of dtype."""

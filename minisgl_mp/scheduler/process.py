@@ -8,6 +8,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS
 from minisgl_mp.message.messages import (
     DETOKENIZER_CHANNEL, SCHEDULER_CHANNEL, AbortReq, AdminReply, AdminReq, BatchTokenOut,
     DetokParams, GenerateReq, LogprobEntry, ReqError, ShutdownReq, TokenOut,
@@ -68,7 +69,7 @@ class SchedulerLoop:
                 self.outbox.put(ReqError(msg.rid, str(e), "invalid_request"))
                 return
             self._detok[msg.rid] = DetokParams(params.skip_special_tokens, list(params.stop),
-                                               params.min_tokens, msg.input_ids[-8:])
+                                               params.min_tokens, msg.input_ids[-PROMPT_TAIL_TOKENS:])
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, AdminReq):
