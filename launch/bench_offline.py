@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-cache-gb", type=float, help="KV pool size in GiB (default: the engine's)")
     m.add_argument("--schedule-policy", default=ENGINE_DEFAULTS.schedule_policy, choices=("fcfs", "lpm"))
     m.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
+    m.add_argument("--prefault-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="touch the whole KV pool before timing (the engine's --cpu-prefault-kv)")
     add_workload_args(p)
     h = p.add_argument_group("baselines")
     h.add_argument("--hf-batch-sizes", type=int_list, help="static batch sizes (default 1,8,32,64; quick 1,8,16)")
@@ -95,7 +97,8 @@ def engine_kwargs(args: argparse.Namespace, model: BenchModel, cache_type: str) 
             "seed": args.seed, "cache_type": cache_type, "max_running_requests": args.max_running_requests,
             "max_prefill_tokens": args.max_prefill_tokens, "page_size": args.page_size,
             "num_pages": args.num_pages, "kv_cache_gb": args.kv_cache_gb,
-            "schedule_policy": args.schedule_policy, "num_threads": args.num_threads}
+            "schedule_policy": args.schedule_policy, "num_threads": args.num_threads,
+            "cpu_prefault_kv": args.prefault_kv}
 
 
 def run_baselines(args: argparse.Namespace, model: BenchModel, workload: Workload) -> dict[str, Any]:

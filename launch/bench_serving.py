@@ -154,6 +154,15 @@ def print_runs(runs: list[dict[str, Any]]) -> None:
     print("latencies in ms")
 
 
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """--launch-args, plus --cpu-prefault-kv unless they say otherwise: a benchmark times a
+    server whose KV pool has been touched, as one that has run a while has."""
+    flags = shlex.split(args.launch_args)
+    if not {"--cpu-prefault-kv", "--no-cpu-prefault-kv"} & set(flags):
+        flags.append("--cpu-prefault-kv")
+    return flags
+
+
 def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload],
                 max_concurrency: int) -> tuple[dict[str, Any], Workload]:
     """The launched server's engine, in-process, on the same requests: (result, workload).
@@ -163,7 +172,7 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
     from minisgl_mp.launch import parse_args
     from minisgl_mp.llm import LLM
 
-    engine, _ = parse_args(["--model", args.launch, *shlex.split(args.launch_args)])
+    engine, _ = parse_args(["--model", args.launch, *server_flags(args)])
     engine = dataclasses.replace(engine, max_running_requests=min(engine.max_running_requests, max_concurrency))
     llm = LLM(**dataclasses.asdict(engine))
     token_range = token_range_of(llm.tokenizer, llm.scheduler.runner.model_config.vocab_size)
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         report["workload"] = {"name": workload.name, **workload.params, "requests": workload.num_requests}
         if args.launch:
             print(f"starting the server on {args.launch} (log: {args.server_log})", flush=True)
-            server = launch_server(args.launch, shlex.split(args.launch_args), args.server_log)
+            server = launch_server(args.launch, server_flags(args), args.server_log)
         backend = make_backend(args, server, tokenizer)
 
         async def go() -> list[dict[str, Any]]:

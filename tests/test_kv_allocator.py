@@ -113,3 +113,22 @@ def test_kv_pool_store_and_pad_slot() -> None:
     assert torch.equal(pool.k[1, loc], k) and torch.equal(pool.v[1, loc], v)
     assert pool.nbytes == 2 * 2 * 9 * 2 * 4 * 4
     assert KVPool.bytes_per_token(2, 2, 4, torch.bfloat16) == 2 * 2 * 2 * 4 * 2
+
+
+def test_a_prefaulted_pool_is_written_through_and_still_works() -> None:
+    pool = KVPool(num_layers=2, num_slots=8, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=CPU,
+                  prefault=True)
+    assert not pool.k.any() and not pool.v.any() and pool.pad_slot == 8
+    k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    pool.store(0, torch.tensor([1, 6]), k, v)
+    assert torch.equal(pool.k[0, 6], k[1]) and not pool.k[:, 8].any()
+
+
+def test_the_engine_prefaults_its_pool_when_asked(tiny_model_dir) -> None:
+    from minisgl_mp import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), num_pages=256, cpu_prefault_kv=True)
+    pool = llm.scheduler.runner.pool
+    assert pool.num_slots == 256
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0]["token_ids"]) == 4

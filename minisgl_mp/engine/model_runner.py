@@ -43,7 +43,7 @@ class ModelRunner:
         self.num_pages = plan.num_pages
         logger.info(plan.describe(config.page_size))
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
-                           mc.head_dim, dtype, device)
+                           mc.head_dim, dtype, device, prefault=config.cpu_prefault_kv)
         self.req_table = ReqTable(config.max_running_requests, context_len, device)
         self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads,
                                              mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel)

@@ -47,7 +47,9 @@ class Sampler:
         next_ids = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
-        if greedy_rows:
+        if len(greedy_rows) == len(reqs):
+            next_ids = logits.argmax(dim=-1)  # no row gather: [B, V] is ~40 MB at B=64 on Qwen3
+        elif greedy_rows:
             idx = torch.tensor(greedy_rows, device=logits.device)
             next_ids[idx] = logits[idx].argmax(dim=-1)
         if random_rows:
