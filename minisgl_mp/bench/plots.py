@@ -42,12 +42,7 @@ def latency_distributions(runs: list[dict[str, Any]], out: Path, title: str) -> 
                 ax.set_xscale("log")
             ax.grid(alpha=0.3)
             ax.legend(title="request rate", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, title, out)
 
 
 def rate_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> Path:
@@ -77,6 +72,10 @@ def rate_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> Path:
         ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
+    return _save(plt, fig, title, out)
+
+
+def _save(plt: Any, fig: Any, title: str, out: Path) -> Path:
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
