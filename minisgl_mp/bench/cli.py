@@ -13,10 +13,11 @@ from minisgl_mp.bench.workloads import (
     WORKLOADS, LengthRange, Workload, multi_turn_workload, random_workload, shared_prefix_workload,
 )
 
-# The full random workload is the issue's: 64 requests, input U(64, 512), output U(32, 256).
+# The full random and shared-prefix workloads are the issue's: 64 requests, input U(64, 512),
+# output U(32, 256); 8 groups x 8 prompts, 1,024-token system prompt, 64-token questions.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "random": {"num_prompts": 64, "input_len": "64,512", "output_len": "32,256"},
-    "shared-prefix": {"num_groups": 8, "prompts_per_group": 8, "system_len": "512", "question_len": "64",
+    "shared-prefix": {"num_groups": 8, "prompts_per_group": 8, "system_len": "1024", "question_len": "64",
                       "output_len": "64"},
     "multi-turn": {"num_prompts": 16, "num_turns": 4, "system_len": "128", "input_len": "32,128",
                    "output_len": "32,64"},
@@ -41,7 +42,7 @@ def add_workload_args(parser: argparse.ArgumentParser, workloads: tuple[str, ...
                    "quick 16,64; shared-prefix 64 / quick 32)")
     g.add_argument("--num-groups", type=int, help="shared-prefix: groups (default 8 / quick 4)")
     g.add_argument("--prompts-per-group", type=int, help="shared-prefix: prompts per group (default 8 / quick 4)")
-    g.add_argument("--system-len", help="shared-prefix / multi-turn: system prompt tokens (default 512 / quick 256)")
+    g.add_argument("--system-len", help="shared-prefix / multi-turn: system prompt tokens (shared-prefix default 1024, multi-turn 128; quick 256 / 64)")
     g.add_argument("--question-len", help="shared-prefix: question tokens after the system prompt (default 64 / quick 32)")
     g.add_argument("--num-turns", type=int, help="multi-turn: turns per conversation (default 4 / quick 3)")
 
