@@ -27,6 +27,15 @@ def test_slots_come_in_whole_aligned_pages(page_size: int) -> None:
     assert alloc.num_free_pages == 7
 
 
+def test_runs_are_handed_out_ascending_and_come_back_in_order() -> None:
+    # A request's KV along memory in order: the decode kernel's reads follow the prefetchers.
+    alloc = PageAllocator(num_pages=64, page_size=1, device=CPU)
+    first, second = alloc.alloc_slots(10), alloc.alloc_slots(20)
+    assert first.tolist() == list(range(10)) and second.tolist() == list(range(10, 30))
+    alloc.free_slots(second)
+    assert alloc.alloc_slots(20).tolist() == list(range(10, 30))
+
+
 def test_allocation_failure_returns_none_and_changes_nothing() -> None:
     alloc = PageAllocator(num_pages=4, page_size=2, device=CPU)
     first = alloc.alloc_slots(3)
