@@ -35,7 +35,7 @@ from minisgl_mp.bench.hf_baselines import HFContinuous, HFStatic, load_hf_model
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.bench.runs import run_engine, run_workload
 from minisgl_mp.bench.workloads import Workload
-from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.engine_config import DTYPE_CHOICES, EngineConfig
 from minisgl_mp.llm import LLM
 
 FULL_MODEL, QUICK_MODEL = "Qwen3-0.6B", "qwen3-bench-small"
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-running-requests", type=int, default=ENGINE_DEFAULTS.max_running_requests)
     m.add_argument("--max-prefill-tokens", type=int, default=ENGINE_DEFAULTS.max_prefill_tokens)
     m.add_argument("--page-size", type=int, default=ENGINE_DEFAULTS.page_size)
+    m.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS.kv_cache_dtype, choices=DTYPE_CHOICES,
+                   help="engine KV cache dtype (auto: the model's, float32 here)")
     m.add_argument("--num-pages", type=int, help="KV pool pages (default: the engine's sizing)")
     m.add_argument("--kv-cache-gb", type=float, help="KV pool size in GiB (default: the engine's)")
     m.add_argument("--schedule-policy", default=ENGINE_DEFAULTS.schedule_policy, choices=("fcfs", "lpm"))
@@ -98,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace, model: BenchModel, cache_type: str) 
             "max_prefill_tokens": args.max_prefill_tokens, "page_size": args.page_size,
             "num_pages": args.num_pages, "kv_cache_gb": args.kv_cache_gb,
             "schedule_policy": args.schedule_policy, "num_threads": args.num_threads,
-            "cpu_prefault_kv": args.prefault_kv}
+            "cpu_prefault_kv": args.prefault_kv, "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def run_baselines(args: argparse.Namespace, model: BenchModel, workload: Workload) -> dict[str, Any]:

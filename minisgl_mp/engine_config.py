@@ -11,6 +11,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 CACHE_TYPES = ("radix", "naive")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("torch",)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -30,6 +31,7 @@ class EngineConfig:
     num_pages: int | None = field(default=None, metadata=_help("KV pages in the pool (overrides --kv-cache-gb)"))
     kv_cache_gb: float | None = field(default=None, metadata=_help("KV pool size in GiB on CPU (default: 4, at most a quarter of free memory)"))
     mem_fraction_static: float = field(default=0.85, metadata=_help("on CUDA: fraction of GPU memory for weights plus KV pool"))
+    kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: auto (the model's), bfloat16 (half the memory and, on CPU, half the bytes each decode reads), float16, float32"))
     cache_type: str = field(default="radix", metadata=_help("prefix cache: radix or naive (no reuse)"))
     # Scheduling
     max_running_requests: int = field(default=256, metadata=_help("requests decoding at once"))
@@ -56,6 +58,7 @@ class EngineConfig:
         check(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
         check(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         check(0 < self.mem_fraction_static < 1, f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        check(self.kv_cache_dtype in DTYPE_CHOICES, f"kv_cache_dtype must be one of {DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         check(self.cache_type in CACHE_TYPES, f"cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         check(self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1")

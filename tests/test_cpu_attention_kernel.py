@@ -45,6 +45,25 @@ def test_kernel_matches_sdpa(hq: int, hkv: int, d: int) -> None:
         torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (6, 1, 40)])
+def test_kernel_reads_a_bfloat16_pool_like_sdpa_on_the_widened_values(hq: int, hkv: int, d: int) -> None:
+    """With --kv-cache-dtype bfloat16 the kernel widens K/V on load: it must agree with float32
+    attention over the same (bfloat16-rounded) values, on the vector path and the scalar one."""
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(3000, hkv, d, generator=gen).bfloat16()
+    v = torch.randn(3000, hkv, d, generator=gen).bfloat16()
+    q_lens, kv_lens = [1, 1, 5, 1], [1, 257, 90, 33]
+    kv_index = torch.stack([torch.randperm(3000, generator=gen)[:300] for _ in q_lens])
+    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
+    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5)
+    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(int(q_start[b]), int(q_start[b]) + nq)
+        want = reference(q[rows], k.float(), v.float(), kv_index[b, :nk], nq)
+        torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
+
+
 def test_bad_inputs_are_refused() -> None:
     q = torch.zeros(1, 2, 8)
     k = torch.zeros(4, 2, 8)
@@ -54,30 +73,36 @@ def test_bad_inputs_are_refused() -> None:
         cpu_kernel.paged_attention(q.double(), k, k, idx, one - 1, one, one, q, 1.0)
     with pytest.raises(ValueError, match="int64"):
         cpu_kernel.paged_attention(q, k, k, idx.int(), one - 1, one, one, q, 1.0)
+    with pytest.raises(ValueError, match="k and v alike"):
+        cpu_kernel.paged_attention(q, k, k.bfloat16(), idx, one - 1, one, one, q, 1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernel.paged_attention(q, k.half(), k.half(), idx, one - 1, one, one, q, 1.0)
 
 
-def test_backend_uses_the_kernel_for_short_runs_and_sdpa_for_long_ones() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backend_uses_the_kernel_for_short_runs_and_sdpa_for_long_ones(kv_dtype: torch.dtype) -> None:
     """A mixed batch (decodes, a short extend over a prefix, a long prefill) through the backend
-    with and without the kernel gives the same attention output."""
+    with and without the kernel gives the same attention output, for each KV pool dtype (the
+    kernel reads float32 and bfloat16 pools; a float16 pool goes to PyTorch either way)."""
     hq, hkv, d = 8, 2, 64
-    pool = KVPool(1, 4096, hkv, d, torch.float32, torch.device("cpu"))
+    pool = KVPool(1, 4096, hkv, d, kv_dtype, torch.device("cpu"))
     table = ReqTable(4, 512, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     perm = torch.randperm(4096, generator=gen)
     cached, extend = (120, 0, 33, 9), (1, 60, 5, 1)
     for row, n in enumerate(c + e for c, e in zip(cached, extend)):
         table.table[row, :n] = perm[row * 1000 : row * 1000 + n]
-        pool.k[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen)
-        pool.v[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen)
+        pool.k[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen).to(kv_dtype)
+        pool.v[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen).to(kv_dtype)
     out_loc = torch.cat([table.table[r, c : c + e] for r, (c, e) in enumerate(zip(cached, extend))])
     layout = BatchLayout(ForwardMode.EXTEND, torch.arange(4), cached, extend, out_loc)
     t = sum(extend)
     q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
     outs = []
     for use_kernel in (True, False):
-        backend = TorchAttentionBackend(pool, table, hq, hkv, d, use_cpu_kernel=use_kernel)
-        assert backend.use_cpu_kernel is use_kernel
+        backend = TorchAttentionBackend(pool, table, hq, hkv, d, use_cpu_kernel=use_kernel, dtype=torch.float32)
+        assert backend.use_cpu_kernel is (use_kernel and kv_dtype != torch.float16)
         meta = backend.prepare(layout)
-        assert (meta.kernel is not None) is use_kernel
+        assert (meta.kernel is not None) is backend.use_cpu_kernel
         outs.append(backend.forward(q, k, v, 0, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)

@@ -84,12 +84,17 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU attention kernel unavailable (%s): falling back to PyTorch", e)
         return None
-    fn = lib.paged_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_f32p, _f32p, _f32p, _i64p, ctypes.c_int64, _i64p, _i64p, _i64p, _f32p,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
+    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16kv):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_f32p, ctypes.c_void_p, ctypes.c_void_p, _i64p, ctypes.c_int64, _i64p, _i64p, _i64p,
+                       _f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                       ctypes.c_int64]
     _LIB = lib
     return lib
+
+
+# Pool dtypes the kernel reads K/V in (queries and outputs are always float32).
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]
@@ -101,15 +106,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
                     scale: float) -> None:
     """out[rows of each request] = causal attention of its query rows over its paged KV.
 
-    q, out: [T, Hq, D]; k, v: [S, Hkv, D] (one layer); kv_index: [B, stride] int64;
-    q_start, q_len, kv_len: [B] int64. All float32 / int64, contiguous, on the CPU.
+    q, out: [T, Hq, D] float32; k, v: [S, Hkv, D] (one layer), float32 or bfloat16 (widened
+    on load); kv_index: [B, stride] int64; q_start, q_len, kv_len: [B] int64. All contiguous,
+    on the CPU.
     """
     lib = _LIB if _LIB is not None else load()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+    for name, t in (("q", q), ("out", out)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != k.dtype or t.dtype not in KV_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU tensor (k and v alike)")
     for name, t in (("kv_index", kv_index), ("q_start", q_start), ("q_len", q_len), ("kv_len", kv_len)):
         if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
@@ -120,8 +129,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
     chunks = 1
     while batch * chunks < 2 * torch.get_num_threads() and hkv % (chunks * 2) == 0:
         chunks *= 2
-    rc = lib.paged_attention_f32(
-        _ptr(q, _f32p), _ptr(k, _f32p), _ptr(v, _f32p), _ptr(kv_index, _i64p), kv_index.shape[1],
+    fn = lib.paged_attention_f32 if k.dtype == torch.float32 else lib.paged_attention_bf16kv
+    rc = fn(
+        _ptr(q, _f32p), k.data_ptr(), v.data_ptr(), _ptr(kv_index, _i64p), kv_index.shape[1],
         _ptr(q_start, _i64p), _ptr(q_len, _i64p), _ptr(kv_len, _i64p), _ptr(out, _f32p),
         batch, hq, hkv, d, scale, chunks)
     if rc != 0:

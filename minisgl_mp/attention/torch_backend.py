@@ -2,11 +2,13 @@
 
 A batch's requests split three ways, once per forward in `prepare`:
 - short runs (decodes, and extends of at most KERNEL_MAX_QUERY tokens) go to the C kernel
-  when it is available (CPU, float32): it reads K/V straight from the pool through the page
-  table, with no gathered copy;
+  when it is available (CPU, float32 model, float32 or bfloat16 KV pool): it reads K/V straight
+  from the pool through the page table, with no gathered copy;
 - otherwise decodes gather their K/V into a padded [B, L] batch (a reused workspace) and attend
   in one scaled_dot_product_attention call, the Hq / Hkv query heads of a KV head folded into
   the query length so grouped-query attention needs no K/V expansion;
+- K/V read back from a pool of another dtype than the model's (`--kv-cache-dtype`) are cast to
+  the model's dtype after the gather; a prefill's own new K/V are used as computed;
 - longer extends run one scaled_dot_product_attention call each: prefills carry many tokens
   each, so the loop is cheap next to the work.
 """
@@ -63,8 +65,10 @@ class _Metadata:
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, req_table: ReqTable, num_heads: int, num_kv_heads: int,
-                 head_dim: int, use_cpu_kernel: bool = True) -> None:
+                 head_dim: int, use_cpu_kernel: bool = True, dtype: torch.dtype | None = None) -> None:
+        """dtype: the model's (queries, outputs); default the pool's."""
         self.pool = pool
+        self.dtype = dtype or pool.k.dtype
         self.req_table = req_table
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -72,7 +76,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.use_cpu_kernel = (use_cpu_kernel and pool.k.device.type == "cpu"
-                               and pool.k.dtype == torch.float32 and cpu_kernel.load() is not None)
+                               and self.dtype == torch.float32 and pool.k.dtype in cpu_kernel.KV_DTYPES
+                               and cpu_kernel.load() is not None)
         # Gathered K/V of a padded decode batch, reused layer after layer and step after step:
         # a fresh tensor of this size per layer costs more in page faults than the copy.
         self._k_buf = torch.empty(0, num_kv_heads, head_dim, dtype=pool.k.dtype, device=pool.k.device)
@@ -156,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         k = torch.index_select(self.pool.k[layer_id], 0, flat, out=self._k_buf[:n])
         v = torch.index_select(self.pool.v[layer_id], 0, flat, out=self._v_buf[:n])
         shape = (*index.shape, self.num_kv_heads, self.head_dim)
-        return k.view(shape), v.view(shape)
+        return k.view(shape).to(self.dtype), v.view(shape).to(self.dtype)
 
     def _padded_decode(self, q: torch.Tensor, layer_id: int, meta: _PaddedDecode) -> torch.Tensor:
         b, d = q.shape[0], self.head_dim
@@ -176,8 +181,8 @@ class TorchAttentionBackend(AttentionBackend):
                 ki = k[s.q_start : s.q_end].transpose(0, 1)
                 vi = v[s.q_start : s.q_end].transpose(0, 1)
             else:
-                ki = k_pool[s.kv_index].transpose(0, 1)  # [Hkv, S, D]
-                vi = v_pool[s.kv_index].transpose(0, 1)
+                ki = k_pool[s.kv_index].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
+                vi = v_pool[s.kv_index].to(q.dtype).transpose(0, 1)
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=s.mask, is_causal=s.kv_index is None,
                 scale=self.scale, enable_gqa=self.group > 1,

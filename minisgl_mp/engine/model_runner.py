@@ -16,6 +16,7 @@ from minisgl_mp.layers.linear import Linear
 from minisgl_mp.models.registry import build_model
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource
+from minisgl_mp.utils.device import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ class ModelRunner:
             logger.info("prepacked %d linear layers for oneDNN", packed)
 
         mc = model_config
+        self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, device, None)
         plan = plan_pool(
-            bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype),
+            bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype),
             page_size=config.page_size, device=device, num_pages=config.num_pages,
             kv_cache_gb=config.kv_cache_gb, mem_fraction_static=config.mem_fraction_static,
             max_tokens_needed=config.max_running_requests * context_len,
@@ -43,12 +45,12 @@ class ModelRunner:
         self.num_pages = plan.num_pages
         logger.info(plan.describe(config.page_size))
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
-                           mc.head_dim, dtype, device, prefault=config.cpu_prefault_kv)
+                           mc.head_dim, self.kv_dtype, device, prefault=config.cpu_prefault_kv)
         self.req_table = ReqTable(config.max_running_requests, context_len, device)
         self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads,
-                                             mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel)
-        logger.info("attention: %s", "C paged kernel for short runs + PyTorch SDPA"
-                    if self.backend.use_cpu_kernel else "PyTorch SDPA")
+                                             mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel, dtype=dtype)
+        logger.info("attention: %s, KV cache %s", "C paged kernel for short runs + PyTorch SDPA"
+                    if self.backend.use_cpu_kernel else "PyTorch SDPA", str(self.kv_dtype).replace("torch.", ""))
 
     @torch.inference_mode()
     def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -46,9 +46,10 @@ class KVPool:
         self.pad_slot = num_slots
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # loc: [T]; k, v: [T, Hkv, D]
-        self.k[layer_id].index_copy_(0, loc, k)
-        self.v[layer_id].index_copy_(0, loc, v)
+        # loc: [T]; k, v: [T, Hkv, D], cast to the pool's dtype when it is not the model's
+        # (round to nearest even for bfloat16)
+        self.k[layer_id].index_copy_(0, loc, k.to(self.k.dtype))
+        self.v[layer_id].index_copy_(0, loc, v.to(self.v.dtype))
 
     @property
     def nbytes(self) -> int:

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import torch
 
+from minisgl_mp.engine_config import DTYPE_CHOICES
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def resolve_device(device: str | None) -> torch.device:

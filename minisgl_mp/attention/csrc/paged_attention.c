@@ -3,9 +3,11 @@
  * short extends over a cached prefix. It reads K and V straight from the paged pool through
  * the page table, so no gathered copy of the cache is ever made.
  *
- * Layouts (float32, row-major, contiguous):
+ * Layouts (row-major, contiguous; queries and outputs float32, arithmetic in float32):
  *   q, out     [T, Hq, D]      the batch's query tokens, request by request
- *   k, v       [S, Hkv, D]     one layer of the pool; a slot is a token position
+ *   k, v       [S, Hkv, D]     one layer of the pool, float32 (paged_attention_f32) or bfloat16
+ *                              (paged_attention_bf16kv: widened on load, half the bytes read);
+ *                              a slot is a token position
  *   kv_index   [B, stride]     the page table rows: slot of each token position
  *   q_start    [B]             first row of request b in q / out
  *   q_len      [B]             query tokens of request b (its newest tokens)
@@ -42,23 +44,35 @@ static inline float exp_nonpos(float x) {
     return keep * p * bits.f;
 }
 
-static float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
-
-/* Four dot products of one query row with four keys at once. A single dot of 128 floats is a
- * chain of dependent multiply-adds ending in a horizontal sum; four independent chains keep the
- * FMA units busy and share the query loads (measured: the q.k pass was most of the kernel).
- * n must be a multiple of 16. GCC/Clang vector extensions: AVX-512, AVX2 or SSE as built. */
+/* K/V elements are read through these, so one kernel body serves both pool dtypes: `bf16`
+ * is a compile-time constant in each exported entry point, and the always-inline body is
+ * specialised for it. A bfloat16 is the top half of a float32: widening is a shift. */
 typedef float vf16 __attribute__((vector_size(64)));
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 
 static inline vf16 load16(const float *p) {
     vf16 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+static inline vf16 kv_load16(const void *base, int64_t off, int bf16) {
+    if (!bf16) return load16((const float *)base + off);
+    vu16x16 h;
+    memcpy(&h, (const uint16_t *)base + off, sizeof h);
+    const vu32x16 w = __builtin_convertvector(h, vu32x16) << 16;
+    vf16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline float kv_at(const void *base, int64_t off, int bf16) {
+    if (!bf16) return ((const float *)base)[off];
+    const uint32_t w = (uint32_t)((const uint16_t *)base)[off] << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
 }
 
 static inline float hsum16(vf16 v) {
@@ -67,26 +81,77 @@ static inline float hsum16(vf16 v) {
     return s;
 }
 
-static void dot4(const float *restrict q, const float *restrict k0, const float *restrict k1,
-                 const float *restrict k2, const float *restrict k3, int64_t n, float out[4]) {
+/* One query row . one key (any d). */
+static inline float dot(const float *restrict q, const void *kv, int64_t off, int64_t n, int bf16) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += q[i] * kv_at(kv, off + i, bf16);
+    return s;
+}
+
+/* The four sums of four vectors, by a shuffle tree: 8 shuffles and 6 adds instead of four
+ * separate horizontal sums (each a chain of its own). */
+static inline void hsum4x16(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float out[4]) {
+    const vf16 b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf16 b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* b01: eight partial sums of a0, then eight of a1; b23 likewise */
+    const vf16 c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    /* c: four partial sums each of a0, a1, a2, a3 */
+    const vf16 e = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const vf16 f = e + __builtin_shufflevector(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = f[0];
+    out[1] = f[4];
+    out[2] = f[8];
+    out[3] = f[12];
+}
+
+/* Four dot products of one query row with four keys at once. A single dot of 128 floats is a
+ * chain of dependent multiply-adds ending in a horizontal sum; four independent chains keep the
+ * FMA units busy and share the query loads (measured: the q.k pass was most of the kernel).
+ * n must be a multiple of 16. GCC/Clang vector extensions: AVX-512, AVX2 or SSE as built. */
+static inline void dot4(const float *restrict q, const void *k, int64_t o0, int64_t o1, int64_t o2,
+                        int64_t o3, int64_t n, int bf16, float out[4]) {
     vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t j = 0; j < n; j += 16) {
         const vf16 qv = load16(q + j);
-        a0 += qv * load16(k0 + j);
-        a1 += qv * load16(k1 + j);
-        a2 += qv * load16(k2 + j);
-        a3 += qv * load16(k3 + j);
+        a0 += qv * kv_load16(k, o0 + j, bf16);
+        a1 += qv * kv_load16(k, o1 + j, bf16);
+        a2 += qv * kv_load16(k, o2 + j, bf16);
+        a3 += qv * kv_load16(k, o3 + j, bf16);
     }
-    out[0] = hsum16(a0);
-    out[1] = hsum16(a1);
-    out[2] = hsum16(a2);
-    out[3] = hsum16(a3);
+    hsum4x16(a0, a1, a2, a3, out);
 }
 
-int paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *kv_index,
-                        int64_t stride, const int64_t *q_start, const int64_t *q_len,
-                        const int64_t *kv_len, float *out, int64_t batch, int64_t hq, int64_t hkv,
-                        int64_t d, float scale, int64_t head_chunks) {
+/* dot4 for two query rows that share the keys (two query heads of one kv head): each key chunk
+ * is loaded, and widened, once for both. */
+static inline void dot4x2(const float *restrict q0, const float *restrict q1, const void *k, int64_t o0,
+                          int64_t o1, int64_t o2, int64_t o3, int64_t n, int bf16, float out0[4],
+                          float out1[4]) {
+    vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+    for (int64_t j = 0; j < n; j += 16) {
+        const vf16 x = load16(q0 + j), y = load16(q1 + j);
+        const vf16 k0 = kv_load16(k, o0 + j, bf16), k1 = kv_load16(k, o1 + j, bf16);
+        const vf16 k2 = kv_load16(k, o2 + j, bf16), k3 = kv_load16(k, o3 + j, bf16);
+        a0 += x * k0;
+        a1 += x * k1;
+        a2 += x * k2;
+        a3 += x * k3;
+        c0 += y * k0;
+        c1 += y * k1;
+        c2 += y * k2;
+        c3 += y * k3;
+    }
+    hsum4x16(a0, a1, a2, a3, out0);
+    hsum4x16(c0, c1, c2, c3, out1);
+}
+
+static inline __attribute__((always_inline)) int attend(
+    const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
+    const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
+    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t head_chunks, const int bf16) {
     const int64_t groups = hq / hkv;
     /* A work item is (request, chunk of kv heads). With whole slot rows per item the reads of
      * a request run along memory (a slot's heads are adjacent); chunks only split the heads
@@ -125,27 +190,38 @@ int paged_attention_f32(const float *q, const float *k, const float *v, const in
             /* Blocks of four keys that every query row sees (all of a decode's keys). */
             if (d % 16 == 0)
                 for (; t + 4 <= first + 1 && t + 4 <= nk; t += 4) {
-                    const float *k0 = k + (slots[t] * hkv + h0) * d, *k1 = k + (slots[t + 1] * hkv + h0) * d;
-                    const float *k2 = k + (slots[t + 2] * hkv + h0) * d, *k3 = k + (slots[t + 3] * hkv + h0) * d;
-                    for (int64_t i = 0; i < nq; ++i)
-                        for (int64_t qh = 0; qh < qheads; ++qh) {
+                    const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
+                    const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
+                    for (int64_t i = 0; i < nq; ++i) {
+                        int64_t qh = 0;
+                        if (groups % 2 == 0) /* query heads in pairs of one kv head */
+                            for (; qh < qheads; qh += 2) {
+                                const int64_t off = (qh / groups) * d;
+                                float s0[4], s1[4];
+                                dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k, o0 + off, o1 + off,
+                                       o2 + off, o3 + off, d, bf16, s0, s1);
+                                float *row0 = scores + (i * qheads + qh) * nk + t, *row1 = row0 + nk;
+                                for (int c = 0; c < 4; ++c) {
+                                    row0[c] = s0[c] * scale;
+                                    row1[c] = s1[c] * scale;
+                                }
+                            }
+                        for (; qh < qheads; ++qh) {
                             const int64_t off = (qh / groups) * d;
                             float sc[4];
-                            dot4(qb + (i * hq + qh) * d, k0 + off, k1 + off, k2 + off, k3 + off, d, sc);
+                            dot4(qb + (i * hq + qh) * d, k, o0 + off, o1 + off, o2 + off, o3 + off, d, bf16, sc);
                             float *row = scores + (i * qheads + qh) * nk + t;
-                            row[0] = sc[0] * scale;
-                            row[1] = sc[1] * scale;
-                            row[2] = sc[2] * scale;
-                            row[3] = sc[3] * scale;
+                            for (int c = 0; c < 4; ++c) row[c] = sc[c] * scale;
                         }
+                    }
                 }
             for (; t < nk; ++t) {
-                const float *kr = k + (slots[t] * hkv + h0) * d;
+                const int64_t kr = (slots[t] * hkv + h0) * d;
                 const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
                 for (int64_t i = i0; i < nq; ++i)
                     for (int64_t qh = 0; qh < qheads; ++qh)
                         scores[(i * qheads + qh) * nk + t] =
-                            dot(qb + (i * hq + qh) * d, kr + (qh / groups) * d, d) * scale;
+                            dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float *s = scores + r * nk;
@@ -163,15 +239,35 @@ int paged_attention_f32(const float *q, const float *k, const float *v, const in
                 for (int64_t t = 0; t < n; ++t) s[t] *= inv;
             }
             memset(acc, 0, sizeof(float) * (size_t)(rows * d));
-            for (int64_t t = 0; t < nk; ++t) {
-                const float *vr = v + (slots[t] * hkv + h0) * d;
+            t = 0;
+            /* Blocks of four values that every row weighs (all of a decode's): each accumulator
+             * chunk is loaded and stored once per four tokens, not once per token. */
+            if (d % 16 == 0)
+                for (; t + 4 <= first + 1 && t + 4 <= nk; t += 4) {
+                    const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
+                    const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float *p = scores + r * nk + t;
+                        const int64_t off = ((r % qheads) / groups) * d;
+                        float *a = acc + r * d;
+                        for (int64_t j = 0; j < d; j += 16) {
+                            const vf16 x = load16(a + j) + p[0] * kv_load16(v, o0 + off + j, bf16) +
+                                           p[1] * kv_load16(v, o1 + off + j, bf16) +
+                                           p[2] * kv_load16(v, o2 + off + j, bf16) +
+                                           p[3] * kv_load16(v, o3 + off + j, bf16);
+                            memcpy(a + j, &x, sizeof x);
+                        }
+                    }
+                }
+            for (; t < nk; ++t) {
+                const int64_t vr = (slots[t] * hkv + h0) * d;
                 const int64_t i0 = t > first ? t - first : 0;
                 for (int64_t r = i0 * qheads; r < rows; ++r) {
                     const float p = scores[r * nk + t];
-                    const float *vh = vr + ((r % qheads) / groups) * d;
+                    const int64_t vh = vr + ((r % qheads) / groups) * d;
                     float *a = acc + r * d;
 #pragma omp simd
-                    for (int64_t j = 0; j < d; ++j) a[j] += p * vh[j];
+                    for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
                 }
             }
             for (int64_t i = 0; i < nq; ++i)
@@ -185,4 +281,20 @@ int paged_attention_f32(const float *q, const float *k, const float *v, const in
 #endif
     }
     return failed ? -1 : 0;
+}
+
+int paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *kv_index,
+                        int64_t stride, const int64_t *q_start, const int64_t *q_len,
+                        const int64_t *kv_len, float *out, int64_t batch, int64_t hq, int64_t hkv,
+                        int64_t d, float scale, int64_t head_chunks) {
+    return attend(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
+                  head_chunks, 0);
+}
+
+int paged_attention_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
+                           const int64_t *kv_index, int64_t stride, const int64_t *q_start,
+                           const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
+                           int64_t hq, int64_t hkv, int64_t d, float scale, int64_t head_chunks) {
+    return attend(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
+                  head_chunks, 1);
 }
