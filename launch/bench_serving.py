@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from minisgl_mp.bench import plots
 from minisgl_mp.bench.cli import add_workload_args, token_range_of, workload_from_args
+from minisgl_mp.bench.proc_profile import ProcessMeter, PySpy, server_processes
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.bench.server_proc import LaunchedServer, launch_server
 from minisgl_mp.bench.serving_backends import Backend, OpenAIBackend, ZmqBackend
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--launch", metavar="MODEL", help="start our server on MODEL for the run, stop it after")
     s.add_argument("--launch-args", default="", help="more flags for the launched server (one string)")
     s.add_argument("--server-log", type=Path, default=Path("bench_results/bench_serving_server.log"))
+    s.add_argument("--py-spy", type=Path, metavar="DIR",
+                   help="with --launch: sample every server process with py-spy during each run (raw stacks "
+                   "to DIR/rate_<r>/<process>.txt, a summary in the report); CPU seconds are always reported")
     s.add_argument("--flush-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="flush the server's prefix cache before each rate (default: on)")
     a = p.add_argument_group("arrivals")
@@ -123,21 +127,44 @@ async def warmup(backend: Backend, n: int, timeout_s: float) -> None:
 
 
 async def sweep(args: argparse.Namespace, backend: Backend, requests: list[tuple[list[int], int]],
-                rates: list[float], max_concurrency: int | None) -> list[dict[str, Any]]:
+                rates: list[float], max_concurrency: int | None,
+                server_pids: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """One timed run per rate. With `server_pids` (a launched server), each run also reports
+    the CPU time of every process, and with --py-spy a sampling profile of each."""
     await warmup(backend, args.warmup_requests, min(args.request_timeout, 120.0))
     runs = []
     for i, rate in enumerate(rates):
+        label = "inf" if math.isinf(rate) else f"{rate:g}"
         flushed = await backend.flush_cache() if args.flush_cache else None
         before = await backend.engine_stats()
+        meter = ProcessMeter(server_pids) if server_pids else None
+        spy = PySpy(server_pids, args.py_spy / f"rate_{label}") if server_pids and args.py_spy else None
+        if spy is not None and not spy.available:
+            print("--py-spy: py-spy is not installed (pip install py-spy); CPU seconds only", file=sys.stderr)
+            spy = None
+        for probe in (spy, meter):
+            if probe is not None:
+                probe.start()
         records, duration = await run_requests(backend, requests, rate, max_concurrency, args.seed + i,
                                                args.request_timeout, args.progress)
+        cpu = meter.stop() if meter else None
+        profile = spy.stop() if spy else None
         metrics = summarize_run(records, duration)
-        runs.append({"label": "inf" if math.isinf(rate) else f"{rate:g}", "request_rate": rate,
+        runs.append({"label": label, "request_rate": rate,
                      "max_concurrency": max_concurrency, "cache_flushed": flushed, "metrics": metrics,
                      "server_engine_stats": stats_delta(before, await backend.engine_stats()),
-                     "samples": samples(records)})
-        print(f"rate {runs[-1]['label']}: {metrics['completed']} done, {metrics['failed']} failed, "
+                     "process_cpu": cpu, "py_spy": profile, "samples": samples(records)})
+        print(f"rate {label}: {metrics['completed']} done, {metrics['failed']} failed, "
               f"{metrics['output_tps']:.1f} out tok/s, TTFT mean {metrics['ttft_ms']['mean'] or 0:.0f} ms", flush=True)
+        if cpu:
+            print("  CPU cores busy: " + ", ".join(f"{n} {p['cores']:.2f}" for n, p in cpu["processes"].items()),
+                  flush=True)
+        for name, prof in (profile or {}).items():
+            if "error" in prof:
+                print(f"  py-spy {name}: {prof['error']}", flush=True)
+                continue
+            tops = "; ".join(f"{t['function']} {t['share']:.0%}" for t in prof["top_self"][:4])
+            print(f"  py-spy {name}: on CPU {prof['busy_share']:.0%} of the run; top: {tops}", flush=True)
     return runs
 
 
@@ -216,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
         async def go() -> list[dict[str, Any]]:
             try:
-                return await sweep(args, backend, workload.single_turn_requests(), rates, max_concurrency)
+                pids = server_processes(server.proc.pid, server.log_path) if server else None
+                return await sweep(args, backend, workload.single_turn_requests(), rates, max_concurrency, pids)
             finally:
                 await backend.close()
 

@@ -44,6 +44,7 @@ class EngineConfig:
     attention_backend: str = field(default="torch", metadata=_help("attention implementation"))
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack linear weights for oneDNN"))
     cpu_attention_kernel: bool = field(default=True, metadata=_help("on CPU, the C paged-attention kernel for decode and short extends (built on first use; PyTorch fallback)"))
+    cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
 

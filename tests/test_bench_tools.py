@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -112,6 +113,9 @@ def test_serving_sweep_over_zmq_writes_report_and_plots(tiny_model_dir: Path, tm
         assert m["output_tokens"] >= 4 * 2 and m["itl_ms"]["count"] > 0
         assert run["cache_flushed"] is True
         assert run["server_engine_stats"]["cached_prompt_tokens"] == 0  # flushed before each rate
+        procs = run["process_cpu"]["processes"]  # where the CPU went, per process
+        assert {"launcher", "scheduler", "tokenizer", "detokenizer", "benchmark client"} <= set(procs)
+        assert procs["scheduler"]["cpu_seconds"] > 0 and all(p["cores"] >= 0 for p in procs.values())
     if plots:
         assert len(report["plots"]) == 2
         for p in report["plots"]:
@@ -131,3 +135,20 @@ def test_compare_offline_over_openai_http(tiny_model_dir: Path, tmp_path: Path) 
     assert report["offline"]["output_tokens"] == run["output_tokens"]
     assert report["offline"]["max_running_requests"] == 4
     assert report["server_over_offline_output_tps"] > 0
+
+
+def test_py_spy_summary_and_process_discovery(tmp_path: Path) -> None:
+    from minisgl_mp.bench import proc_profile
+
+    log = tmp_path / "server.log"
+    log.write_text("x INFO minisgl_mp.launch: detokenizer process ready (pid 11)\n"
+                   "x INFO minisgl_mp.launch: scheduler process ready (pid 12)\n")
+    assert proc_profile.server_processes(10, log) == {"launcher": 10, "detokenizer": 11, "scheduler": 12}
+    assert proc_profile.cpu_seconds(os.getpid()) > 0
+    raw = tmp_path / "scheduler.txt"
+    raw.write_text("main (minisgl_mp/launch.py:10);step (/x/minisgl_mp/scheduler/scheduler.py:120) 30\n"
+                   "main (minisgl_mp/launch.py:10);recv (zmq/sugar/socket.py:5) 10\n")
+    summary = proc_profile.summarize(raw, possible_samples=100)
+    assert summary["busy_share"] == 0.4
+    assert summary["top_self"][0] == {"function": "step (scheduler/scheduler.py)", "share": 0.3}
+    assert summary["top_self"][1]["function"] == "recv (sugar/socket.py)"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl_mp.attention import cpu_kernel
+from minisgl_mp.kernels import cpu as cpu_kernel
 from minisgl_mp.attention.base import BatchLayout, ForwardMode
 from minisgl_mp.attention.torch_backend import KERNEL_MAX_QUERY, TorchAttentionBackend
 from minisgl_mp.kvcache.pool import KVPool

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl_mp.attention import cpu_kernel
+from minisgl_mp.kernels import cpu as cpu_kernel
 from minisgl_mp.attention.base import AttentionBackend, BatchLayout
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable

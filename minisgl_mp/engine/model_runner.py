@@ -9,6 +9,7 @@ import torch
 from minisgl_mp.attention.base import AttentionContext, BatchLayout
 from minisgl_mp.attention.torch_backend import TorchAttentionBackend
 from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.kvcache.sizing import plan_pool
@@ -33,6 +34,9 @@ class ModelRunner:
         if device.type == "cpu" and config.cpu_prepack:
             packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
             logger.info("prepacked %d linear layers for oneDNN", packed)
+        if device.type == "cpu" and dtype == torch.float32 and config.cpu_fused_ops and cpu_kernels.load() is not None:
+            fused = sum(m.enable_cpu_kernels() for m in self.model.modules() if hasattr(m, "enable_cpu_kernels"))
+            logger.info("C kernels for %d norm / rotary modules", fused)
 
         mc = model_config
         self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, device, None)

@@ -1,9 +1,12 @@
-"""The C paged-attention kernel for the CPU (csrc/paged_attention.c), built on first use.
+"""The C kernels for the CPU (csrc/*.c), built on first use, and their Python entry points:
+paged attention (csrc/paged_attention.c) and the fused norm / rotary steps of a decoder layer
+(csrc/fused_ops.c).
 
-It is compiled with the system C compiler (about a second) into a per-user cache and loaded
-with ctypes: no torch headers, no pybind. OpenMP is resolved to the libgomp torch has already
-loaded, so the kernel shares torch's threads and settings. Anything that goes wrong (no
-compiler, a failed build) is logged once and the caller falls back to the PyTorch path.
+The sources are compiled together with the system C compiler (a second or two) into one
+library in a per-user cache and loaded with ctypes: no torch headers, no pybind. OpenMP is
+resolved to the libgomp torch has already loaded, so the kernels share torch's threads and
+settings. Anything that goes wrong (no compiler, a failed build) is logged once and callers
+fall back to their PyTorch paths.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
 # NOTE: never -ffast-math here: linking a shared library with it pulls in crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process as soon as the library loads. The
 # kernel flushes denormals itself, for its own duration only; its sums are reassociated
@@ -53,14 +56,15 @@ def _cpu_model() -> str:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version, _cpu_model()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    texts = [f"{src.name}\0{src.read_text()}" for src in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *CFLAGS, version, _cpu_model()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
         os.replace(out, target)  # atomic: concurrent builders race harmlessly
@@ -77,18 +81,23 @@ def load() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        logger.warning("no C compiler found: CPU attention falls back to PyTorch (slower)")
+        logger.warning("no C compiler found: CPU kernels fall back to PyTorch (slower)")
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("CPU attention kernel unavailable (%s): falling back to PyTorch", e)
+        logger.warning("CPU kernels unavailable (%s): falling back to PyTorch", e)
         return None
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16kv):
         fn.restype = ctypes.c_int
         fn.argtypes = [_f32p, ctypes.c_void_p, ctypes.c_void_p, _i64p, ctypes.c_int64, _i64p, _i64p, _i64p,
                        _f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                        ctypes.c_int64]
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.add_rmsnorm_f32.restype = None
+    lib.add_rmsnorm_f32.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, i64]
+    lib.qk_norm_rope_f32.restype = None
+    lib.qk_norm_rope_f32.argtypes = [vp, i64, i64, i64, i64, i64, vp, vp, ctypes.c_float, vp, vp, vp, vp]
     _LIB = lib
     return lib
 
@@ -136,3 +145,45 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
         batch, hq, hkv, d, scale, chunks)
     if rc != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch space")
+
+
+def _fused_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual) in one pass; x is updated in place and
+    returned as the new residual. x, residual: [..., dim] float32 contiguous CPU."""
+    lib = _LIB if _LIB is not None else load()
+    if lib is None or not _fused_ok(x, weight, *(() if residual is None else (residual,))):
+        raise ValueError("add_rmsnorm needs the kernels and contiguous float32 CPU tensors")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.add_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        eps, out.data_ptr(), x.numel() // dim, dim)
+    return out, x
+
+
+def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: q [T, Hq, D] and k [T, Hkv, D],
+    contiguous, each head RMS-normed (when its weight is given) then rotated by the cos/sin
+    table [max_pos, 2, D] at `positions` [T] (int64)."""
+    lib = _LIB if _LIB is not None else load()
+    weights = tuple(w for w in (q_weight, k_weight) if w is not None)
+    if lib is None or not _fused_ok(qkv, cos_sin, *weights) or head_dim % 2 or head_dim > 1024:
+        raise ValueError("qk_norm_rope needs the kernels, contiguous float32 CPU tensors and an even head_dim <= 1024")
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.device.type != "cpu":
+        raise ValueError("positions must be a contiguous int64 CPU tensor")
+    t = qkv.shape[0]
+    q = qkv.new_empty((t, num_heads, head_dim))
+    k = qkv.new_empty((t, num_kv_heads, head_dim))
+    lib.qk_norm_rope_f32(qkv.data_ptr(), t, qkv.shape[1], num_heads, num_kv_heads, head_dim,
+                         None if q_weight is None else q_weight.data_ptr(),
+                         None if k_weight is None else k_weight.data_ptr(), eps, cos_sin.data_ptr(),
+                         positions.data_ptr(), q.data_ptr(), k.data_ptr())
+    return q, k

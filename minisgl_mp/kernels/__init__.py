@@ -1,0 +1,1 @@
+"""Native CPU kernels (C, built on first use) and their Python entry points: see `cpu.py`."""
