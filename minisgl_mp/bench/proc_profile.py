@@ -1,6 +1,6 @@
 """Where a launched server's CPU time goes during a timed run.
 
-`ProcessMeter` reads each process's CPU seconds (user + system, all threads) from /proc before
+`ProcessMeter` reads each process's CPU seconds (user + system, all threads; psutil) before
 and after the run: the scheduler, tokenizer, detokenizer and launcher, and the benchmark client
 itself, which shares the machine. `PySpy` additionally samples each server process with py-spy
 (when installed) and summarises the samples by the function on top of the stack.
@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 READY_PID = re.compile(r"(\w+) process ready \(pid (\d+)\)")
 
 
@@ -34,15 +36,12 @@ def server_processes(launcher_pid: int, log_path: Path) -> dict[str, int]:
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (its threads included); None when it is
-    gone or this is not Linux."""
+    """User + system CPU seconds of a process so far (all its threads); None when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    # After "pid (comm)": state is field 3, so utime (14) and stime (15) are [11] and [12].
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return t.user + t.system
 
 
 class ProcessMeter:
