@@ -205,8 +205,12 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
     token_range = token_range_of(llm.tokenizer, llm.scheduler.runner.model_config.vocab_size)
     workload = requests_of(token_range)
     print(f"offline engine: {workload.num_requests} requests in-process", flush=True)
+    meter = ProcessMeter({})
+    meter.start()
     result = run_engine(llm, workload, token_range, "offline engine", args.progress).to_dict()
-    return {**result, "max_running_requests": engine.max_running_requests}, workload
+    cores = meter.stop()["processes"]["benchmark client"]["cores"]
+    print(f"  CPU cores busy: offline engine {cores:.2f}", flush=True)
+    return {**result, "max_running_requests": engine.max_running_requests, "cpu_cores_busy": cores}, workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.compare_offline:
             report["offline"], workload = offline_run(args, make_workload, max_concurrency)
+            # This process only runs clients from here on: shrink torch's thread pool so no
+            # idle OpenMP worker of the offline run holds a core the server needs.
+            import torch
+
+            torch.set_num_threads(1)
         else:
             workload = make_workload(token_range_of(tokenizer, 2**31) if tokenizer else args.token_range)
         report["workload"] = {"name": workload.name, **workload.params, "requests": workload.num_requests}
