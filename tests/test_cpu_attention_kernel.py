@@ -33,7 +33,7 @@ def test_kernel_matches_sdpa(hq: int, hkv: int, d: int) -> None:
     k = torch.randn(slots_total, hkv, d, generator=gen)
     v = torch.randn(slots_total, hkv, d, generator=gen)
     q_lens = [1, 1, 4, KERNEL_MAX_QUERY, 1, 7]
-    kv_lens = [1, 300, 4, 40, 17, 700]
+    kv_lens = [1, 300, 4, KERNEL_MAX_QUERY + 40, 17, 700]
     stride = max(kv_lens) + 5
     kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
     q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
@@ -81,15 +81,15 @@ def test_bad_inputs_are_refused() -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_backend_uses_the_kernel_for_short_runs_and_sdpa_for_long_ones(kv_dtype: torch.dtype) -> None:
-    """A mixed batch (decodes, a short extend over a prefix, a long prefill) through the backend
-    with and without the kernel gives the same attention output, for each KV pool dtype (the
-    kernel reads float32 and bfloat16 pools; a float16 pool goes to PyTorch either way)."""
+    """A mixed batch (a decode, a long prefill, long and short extends over a prefix) through the
+    backend with and without the kernel gives the same attention output, for each KV pool dtype
+    (the kernel reads float32 and bfloat16 pools; a float16 pool goes to PyTorch either way)."""
     hq, hkv, d = 8, 2, 64
     pool = KVPool(1, 4096, hkv, d, kv_dtype, torch.device("cpu"))
     table = ReqTable(4, 512, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     perm = torch.randperm(4096, generator=gen)
-    cached, extend = (120, 0, 33, 9), (1, 60, 5, 1)
+    cached, extend = (120, 0, 33, 9), (1, KERNEL_MAX_QUERY + 60, KERNEL_MAX_QUERY + 7, 5)
     for row, n in enumerate(c + e for c, e in zip(cached, extend)):
         table.table[row, :n] = perm[row * 1000 : row * 1000 + n]
         pool.k[0, table.table[row, :n]] = torch.randn(n, hkv, d, generator=gen).to(kv_dtype)
