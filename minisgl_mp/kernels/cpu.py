@@ -36,9 +36,6 @@ if platform.machine() in ("x86_64", "AMD64"):
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 
-_i64p = ctypes.POINTER(ctypes.c_int64)
-_f32p = ctypes.POINTER(ctypes.c_float)
-
 
 def _cache_dir() -> Path:
     base = os.environ.get("MINISGL_MP_KERNEL_DIR") or os.path.join(
@@ -88,12 +85,11 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable (%s): falling back to PyTorch", e)
         return None
+    # Tensors go in as their data_ptr() (c_void_p): the checks are done in Python beforehand.
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16kv):
         fn.restype = ctypes.c_int
-        fn.argtypes = [_f32p, ctypes.c_void_p, ctypes.c_void_p, _i64p, ctypes.c_int64, _i64p, _i64p, _i64p,
-                       _f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                       ctypes.c_int64]
-    i64, vp = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float, i64]
     lib.add_rmsnorm_f32.restype = None
     lib.add_rmsnorm_f32.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, i64]
     lib.qk_norm_rope_f32.restype = None
@@ -104,10 +100,6 @@ def load() -> ctypes.CDLL | None:
 
 # Pool dtypes the kernel reads K/V in (queries and outputs are always float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]
-    return ctypes.cast(t.data_ptr(), kind)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
@@ -140,8 +132,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
         chunks *= 2
     fn = lib.paged_attention_f32 if k.dtype == torch.float32 else lib.paged_attention_bf16kv
     rc = fn(
-        _ptr(q, _f32p), k.data_ptr(), v.data_ptr(), _ptr(kv_index, _i64p), kv_index.shape[1],
-        _ptr(q_start, _i64p), _ptr(q_len, _i64p), _ptr(kv_len, _i64p), _ptr(out, _f32p),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_index.data_ptr(), kv_index.shape[1],
+        q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(),
         batch, hq, hkv, d, scale, chunks)
     if rc != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch space")
