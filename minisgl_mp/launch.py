@@ -9,6 +9,7 @@ exits non-zero naming which died and why. SIGINT and SIGTERM stop everything wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -27,10 +28,12 @@ from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelNotFoundError, resolve_model
 from minisgl_mp.server_config import ModelInfo, ServerArgs, ServerConfig
 from minisgl_mp.utils.cli import add_dataclass_args, dataclass_from_args
-from minisgl_mp.utils.process import read_status, setup_logging
+from minisgl_mp.utils.process import ABORT_NOW_SIGNAL, STOP_NOW_SIGNAL, read_status, setup_logging
 
 logger = logging.getLogger("minisgl_mp.launch")
 STOP_GRACE_S = 5.0
+# Beyond --shutdown-timeout: the tokenizer's abort round and closing its HTTP connections.
+DRAIN_GRACE_S = 10.0
 
 
 class StartupError(RuntimeError):
@@ -85,9 +88,11 @@ class Launcher:
         self.config = config
         self.children: list[Child] = []
         self._stop_reason: str | None = None
+        self._signals = 0  # a second SIGINT/SIGTERM during the drain stops at once
         self._wakeup_r, self._wakeup_w = os.pipe()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals += 1
         self._stop_reason = signal.Signals(signum).name
         os.write(self._wakeup_w, b"x")
 
@@ -118,7 +123,7 @@ class Launcher:
                 elif event.get("event") == "error":
                     c.error = event.get("message")
 
-    def _dead(self) -> Child | None:
+    def dead_child(self) -> Child | None:
         self._poll_status()
         return next((c for c in self.children if not c.process.is_alive()), None)
 
@@ -133,9 +138,9 @@ class Launcher:
         while True:
             if self._stop_reason:
                 raise StartupError(f"interrupted by {self._stop_reason} during start-up")
-            dead = self._dead()
+            dead = self.dead_child()
             if dead is not None:
-                raise StartupError(f"{dead.name} process failed to start: {self._why(dead)}")
+                raise StartupError(f"{dead.name} process failed to start: {self.why(dead)}")
             if all(c.ready for c in self.children):
                 return
             if time.monotonic() > deadline:
@@ -149,13 +154,13 @@ class Launcher:
             if self._stop_reason:
                 logger.info("received %s, shutting down", self._stop_reason)
                 return 0
-            dead = self._dead()
+            dead = self.dead_child()
             if dead is not None:
-                logger.error("%s process died (%s); stopping the server", dead.name, self._why(dead))
+                logger.error("%s process died (%s); stopping the server", dead.name, self.why(dead))
                 return 1
             self._wait(1.0)
 
-    def _why(self, c: Child) -> str:
+    def why(self, c: Child) -> str:
         self._poll_status()
         code = c.process.exitcode
         if c.error:
@@ -164,10 +169,36 @@ class Launcher:
             return f"killed by signal {signal.Signals(-code).name}"
         return f"exit code {code}"
 
+    def drain(self) -> str | None:
+        """Graceful stop, first half: the tokenizer process refuses new requests, lets running
+        ones finish (--shutdown-timeout; none after SIGINT), aborts the rest and exits, while
+        the scheduler and detokenizer keep serving it. Returns why the drain was cut short, if
+        it was."""
+        tokenizer = next(c for c in self.children if c.name == "tokenizer")
+        if not tokenizer.process.is_alive():
+            return None
+        # Ctrl+C means "now": running requests end with "abort" at once, cleanly.
+        quick = self._stop_reason == "SIGINT"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(tokenizer.process.pid, ABORT_NOW_SIGNAL if quick else signal.SIGTERM)
+        signals = self._signals
+        deadline = time.monotonic() + (0.0 if quick else self.config.server.shutdown_timeout) + DRAIN_GRACE_S
+        while tokenizer.process.is_alive():
+            if self._signals > signals:
+                return f"a second {self._stop_reason}: stopping without waiting for requests"
+            dead = self.dead_child()
+            if dead is not None and dead is not tokenizer:
+                return f"{dead.name} process died during shutdown ({self.why(dead)})"
+            if time.monotonic() > deadline:
+                return "the tokenizer process did not finish its drain in time"
+            self._wait(0.2)
+        return None
+
     def stop(self) -> None:
         alive = [c for c in self.children if c.process.is_alive()]
         for c in alive:
-            c.process.terminate()  # SIGTERM: each loop notices within ~0.1 s
+            with contextlib.suppress(ProcessLookupError):  # each loop notices within ~0.1 s
+                os.kill(c.process.pid, STOP_NOW_SIGNAL)
         deadline = time.monotonic() + STOP_GRACE_S
         for c in alive:
             c.process.join(max(0.0, deadline - time.monotonic()))
@@ -220,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     code = 1
     try:
         code = launcher.supervise()
+        if code == 0:
+            cut_short = launcher.drain()
+            if cut_short is not None:
+                logger.warning("shutdown: %s", cut_short)
+            dead = launcher.dead_child()
+            if dead is not None and dead.name != "tokenizer":  # it crashed; it was not stopped
+                logger.error("%s process died during shutdown (%s)", dead.name, launcher.why(dead))
+                code = 1
     finally:
         launcher.stop()
     logger.info("stopped")

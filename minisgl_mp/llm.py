@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer
+from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer, visible_ids
 from minisgl_mp.engine.builder import build_scheduler
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.sampling_params import SamplingParams
@@ -28,6 +28,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[dict[str, Any]]:
+        """One result per prompt: token_ids, text, logprobs, finish_reason, usage. A request that
+        fails inside the engine (a failed step) has finish_reason "error" and the reason under
+        "error"; the other requests of the call go on. A prompt that cannot run at all raises
+        ValueError before anything runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -44,7 +48,8 @@ class LLM:
                 rids.append(rid)
                 if self.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                                         stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-PROMPT_TAIL_TOKENS:])
+                                                         stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-PROMPT_TAIL_TOKENS:],
+                                                         include_stop=p.include_stop_str_in_output)
                 results[rid] = {"token_ids": [], "logprobs": []}
         except Exception:
             # One bad prompt fails the whole call: drop the requests already queued by it.
@@ -59,9 +64,12 @@ class LLM:
                     continue
                 res["token_ids"].extend(out.new_token_ids)
                 res["logprobs"].extend(out.logprobs)
-                if out.rid in detoks:
-                    detoks[out.rid].push(out.new_token_ids)
-                if out.finished:
+                d = detoks.get(out.rid)
+                if d is not None:
+                    d.push(visible_ids(out.new_token_ids, out.finished, out.matched_stop, d.include_stop))
+                if out.error is not None:  # this request failed; the others went on
+                    res.update(finish_reason="error", error=out.error)
+                elif out.finished:
                     res.update(finish_reason=out.finish_reason, matched_stop=out.matched_stop,
                                usage={"prompt_tokens": out.prompt_tokens,
                                       "completion_tokens": out.completion_tokens,

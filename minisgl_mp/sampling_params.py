@@ -33,6 +33,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # Keep the matched stop string, or the stop token's text, in the output (vLLM's name;
+    # SGLang calls it no_stop_trim).
+    include_stop_str_in_output: bool = False
     # Number of top log-probabilities to return per generated token (None: none).
     logprobs: int | None = None
 
@@ -76,7 +79,7 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -27,7 +27,9 @@ class ServerArgs:
     max_payload_bytes: int = field(default=8 << 20, metadata=_help("largest request body or ZMQ message accepted"))
     max_queued_requests: int = field(default=4096, metadata=_help("requests in flight before new ones get 503"))
     max_n: int = field(default=16, metadata=_help("largest n (choices per request)"))
-    health_timeout: float = field(default=20.0, metadata=_help("seconds /health waits for its one-token generation"))
+    health_timeout: float = field(default=20.0, metadata=_help("seconds /health waits for the scheduler's answer and /health_generate for its one-token generation"))
+    watchdog_timeout: float = field(default=300.0, metadata=_help("a scheduler step longer than this many seconds dumps every thread's stack and stops the server (0: off)"))
+    shutdown_timeout: float = field(default=30.0, metadata=_help("on SIGTERM: seconds running requests may take to finish before the rest end with finish_reason 'abort' (Ctrl+C ends them at once; a second signal stops without waiting)"))
     startup_timeout: float = field(default=900.0, metadata=_help("seconds to wait for every process to be ready"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
 
@@ -39,6 +41,9 @@ class ServerArgs:
             raise ValueError("max_payload_bytes must be at least 1024")
         if self.max_queued_requests < 1 or self.max_n < 1:
             raise ValueError("max_queued_requests and max_n must be >= 1")
+        for name in ("health_timeout", "watchdog_timeout", "shutdown_timeout", "startup_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -16,8 +16,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
+
+from minisgl_mp.client import Client
 
 READY = re.compile(r"minisgl_mp ready: model (\S+), zmq (\S+)(?:, http (\S+))? \(pid (\d+)\)")
 
@@ -136,3 +139,20 @@ def start_failure(model: str | Path, *args: str, timeout: float = 120.0) -> tupl
     cmd = [sys.executable, "-m", "minisgl_mp.launch", "--model", str(model), "--port", "0", "--zmq-port", "0", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, start_new_session=True)
     return out.returncode, (out.stdout + out.stderr).splitlines()
+
+
+def wait_idle_and_whole(c: Client, timeout: float = 60.0) -> dict[str, Any]:
+    """Once the scheduler is idle: every page is free or evictable, nothing is locked, and the
+    full integrity check (radix tree recount) passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = c.admin("stats")["result"]
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"not idle after {timeout}s: {stats}"
+        time.sleep(0.2)
+    health = c.admin("check_health")
+    assert health["ok"], health
+    assert stats["protected_tokens"] == 0, stats
+    assert stats["free_tokens"] + stats["evictable_tokens"] == stats["total_tokens"], stats
+    return stats

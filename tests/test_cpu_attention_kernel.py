@@ -106,3 +106,25 @@ def test_backend_uses_the_kernel_for_short_runs_and_sdpa_for_long_ones(kv_dtype:
         assert (meta.kernel is not None) is backend.use_cpu_kernel
         outs.append(backend.forward(q, k, v, 0, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_long_context_decode_beside_an_extend_in_bounded_scratch() -> None:
+    """Keys go through the kernel in tiles with an online softmax: a decode over a long context
+    beside a full-length extend must match SDPA, with a scratch sized by query rows only (it
+    used to be rows x the longest context: ~335 MB for a 128-token extend beside a 40k decode)."""
+    hq, hkv, d = 4, 2, 32
+    gen = torch.Generator().manual_seed(11)
+    slots_total = 24_000
+    k = torch.randn(slots_total, hkv, d, generator=gen)
+    v = torch.randn(slots_total, hkv, d, generator=gen)
+    q_lens = [1, KERNEL_MAX_QUERY, 1, 3]
+    kv_lens = [20_000, KERNEL_MAX_QUERY + 300, 257, 513]  # tile edges: 256 and 512
+    stride = max(kv_lens)
+    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
+    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
+    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 4  # peaky: the running max moves
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5)
+    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(int(q_start[b]), int(q_start[b]) + nq)
+        torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)

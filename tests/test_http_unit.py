@@ -15,7 +15,7 @@ import pytest
 
 from minisgl_mp.engine.tokenizer import load_tokenizer
 from minisgl_mp.engine_config import EngineConfig
-from minisgl_mp.message.messages import AbortReq, BatchTextOut, GenerateReq, ReqError, TextOut
+from minisgl_mp.message.messages import AbortReq, AdminReply, AdminReq, BatchTextOut, GenerateReq, ReqError, TextOut
 from minisgl_mp.server.http import build_app
 from minisgl_mp.server.metrics import Metrics
 from minisgl_mp.server_config import ModelInfo, ServerArgs, ServerConfig
@@ -35,6 +35,9 @@ class FakeEngine:
 
     async def put(self, msg: Any) -> None:
         self.sent.append(msg)
+        if self.answering and isinstance(msg, AdminReq) and msg.command == "ping":
+            self.outbox.put_nowait(AdminReply(msg.rid, True, {"running": 0, "waiting": 0}))
+            return
         if not self.answering or not isinstance(msg, GenerateReq) or msg.input_ids[0] == SILENT:
             return
         if msg.input_ids[0] == FAIL:
@@ -92,27 +95,46 @@ def test_fake_engine_serves_a_completion(tokenizer_dir: Path) -> None:
 def test_stopping_server_answers_503(tokenizer_dir: Path) -> None:
     async def scenario(client: httpx.AsyncClient, manager: TokenizerManager, engine: FakeEngine) -> None:
         manager.stopping = True
-        for method, path, body in [("GET", "/health", None), ("POST", "/v1/completions", {"prompt": "hi"}),
+        for method, path, body in [("GET", "/health", None), ("GET", "/health_generate", None),
+                                   ("POST", "/v1/completions", {"prompt": "hi"}),
                                    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                                    ("POST", "/generate", {"text": "hi"})]:
             r = await client.request(method, path, json=body)
             assert r.status_code == 503, (path, r.text)
             assert "shutting down" in r.json()["error"]["message"]
+            assert int(r.headers["retry-after"]) > 0  # a router retries elsewhere, later
         assert engine.of(GenerateReq) == []
 
     run_app(tokenizer_dir, scenario)
 
 
 @pytest.mark.timeout(60)
-def test_health_is_503_until_a_token_comes(tokenizer_dir: Path) -> None:
+def test_health_generate_is_503_until_a_token_comes(tokenizer_dir: Path) -> None:
     async def scenario(client: httpx.AsyncClient, manager: TokenizerManager, engine: FakeEngine) -> None:
         engine.answering = False
-        r = await client.get("/health")
+        r = await client.get("/health_generate")
         assert r.status_code == 503 and "--health-timeout" in r.json()["error"]["message"]
         await asyncio.sleep(0.05)
         assert [m.rid for m in engine.of(AbortReq)] == [m.rid for m in engine.of(GenerateReq)]  # probe aborted
         engine.answering = True
+        assert (await client.get("/health_generate")).status_code == 200
+        # Probes are not requests: the metrics saw none of them.
+        metrics = manager.metrics.render().decode()
+        assert 'minisgl_requests_finished_total{model_name="fake-model"} 0.0' in metrics, metrics
+
+    run_app(tokenizer_dir, scenario, health_timeout=0.3)
+
+
+@pytest.mark.timeout(60)
+def test_health_is_the_schedulers_liveness(tokenizer_dir: Path) -> None:
+    """/health asks the scheduler to answer between two steps: no generation, no request."""
+    async def scenario(client: httpx.AsyncClient, manager: TokenizerManager, engine: FakeEngine) -> None:
+        engine.answering = False  # a scheduler stuck in a step, or gone
+        r = await client.get("/health")
+        assert r.status_code == 503 and "did not answer" in r.json()["error"]["message"]
+        engine.answering = True
         assert (await client.get("/health")).status_code == 200
+        assert engine.of(GenerateReq) == []
 
     run_app(tokenizer_dir, scenario, health_timeout=0.3)
 

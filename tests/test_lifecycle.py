@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(300)
 # enough for the load below (the scheduler admits a request only with room for all its tokens).
 LOAD_REQUESTS, LOAD_TOKENS = 16, 1000
 LIGHT = ("--load-format", "dummy", "--no-cpu-prepack", "--num-threads", "1",
-         "--num-pages", str(LOAD_REQUESTS * (LOAD_TOKENS + 16)))
+         "--num-pages", str(LOAD_REQUESTS * (LOAD_TOKENS + 16)), "--shutdown-timeout", "2")
 STOP_WITHIN_S = 10.0
 CHILDREN = ("scheduler", "detokenizer", "tokenizer")
 

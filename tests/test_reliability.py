@@ -21,29 +21,12 @@ import pytest
 import zmq
 
 from minisgl_mp.client import AsyncClient, Client, ServerError
-from server_utils import ServerProcess, launch_server
+from server_utils import ServerProcess, launch_server, wait_idle_and_whole
 
 pytestmark = pytest.mark.timeout(420)
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_POOL = 1200  # tokens: 24 requests of ~110 tokens need twice that, so the pool runs out
-
-
-def wait_idle_and_whole(c: Client, timeout: float = 60.0) -> dict[str, Any]:
-    """Once the scheduler is idle: every page is free or evictable, nothing is locked, and the
-    full integrity check (radix tree recount) passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = c.admin("stats")["result"]
-        if stats["running"] == 0 and stats["waiting"] == 0:
-            break
-        assert time.monotonic() < deadline, f"not idle after {timeout}s: {stats}"
-        time.sleep(0.2)
-    health = c.admin("check_health")
-    assert health["ok"], health
-    assert stats["protected_tokens"] == 0, stats
-    assert stats["free_tokens"] + stats["evictable_tokens"] == stats["total_tokens"], stats
-    return stats
 
 
 def random_prompts(n: int, seed: int, max_len: int = 200) -> list[tuple[list[int], int]]:

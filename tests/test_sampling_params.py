@@ -24,6 +24,7 @@ INVALID: dict[str, tuple[str, list[Any]]] = {
     "stop_token_ids": ("a list of non-negative integers", [[-1], [1.0], [True], 3, ["1"]]),
     "ignore_eos": ("true or false", [1, "yes", None]),
     "skip_special_tokens": ("true or false", [0, "no"]),
+    "include_stop_str_in_output": ("true or false", [1, "yes", None]),
     "presence_penalty": ("a number in [-2, 2]", [2.5, -2.01, float("nan"), None]),
     "frequency_penalty": ("a number in [-2, 2]", [-3, 2.0001, "0"]),
     "repetition_penalty": ("a number in (0, 2]", [0, -1, 2.1, float("inf")]),

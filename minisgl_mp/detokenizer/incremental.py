@@ -139,7 +139,7 @@ class IncrementalDetokenizer:
       character, a few trailing U+FFFD, or a suffix that could still become a stop string.
     * After ``finish()`` with no stop string matched, ``text == full``.
     * With a match, ``text`` is ``full`` up to (not including) the stop string, and nothing that
-      was returned is ever taken back.
+      was returned is ever taken back. With ``include_stop`` the stop string is included.
 
     Stop-string rule: the stop string that *completes* first wins (smallest end position; on a
     tie the longer one, which starts earlier). This is what char-by-char streaming would see, so
@@ -158,6 +158,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         prompt_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> None:
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         for s in stops:
@@ -178,6 +179,9 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self._matched_stop: str | None = None
         self._finished = False
+        # vLLM's include_stop_str_in_output (SGLang's no_stop_trim): the matched stop string, and
+        # a stop token's text, stay in the output.
+        self.include_stop = include_stop
 
     @property
     def matched_stop(self) -> str | None:
@@ -238,7 +242,7 @@ class IncrementalDetokenizer:
                 self._matched_stop = stop
                 self._pending = ""
                 # start >= len(self._tail): every proper stop prefix was held back in pending.
-                return region[len(self._tail) : start]
+                return region[len(self._tail) : start + (len(stop) if self.include_stop else 0)]
         hold = self._held_suffix_len(region, len(buffered))
         self._pending = buffered[len(buffered) - hold :]
         return buffered[: len(buffered) - hold]
@@ -274,3 +278,14 @@ class IncrementalDetokenizer:
             if self._lookback:
                 self._tail = (self._tail + out)[-self._lookback :]
         return out
+
+
+def visible_ids(new_ids: Sequence[int], finished: bool, matched_stop: int | str | None,
+                include_stop: bool) -> Sequence[int]:
+    """The ids of one output whose text the user sees: a request that ended on a stop token
+    (a stop_token_id, or EOS) does not show that token's text, as in vLLM and SGLang, unless
+    the request keeps its stop (include_stop_str_in_output / no_stop_trim). The token still
+    counts in completion_tokens and output ids."""
+    if finished and isinstance(matched_stop, int) and not include_stop and len(new_ids):
+        return new_ids[:-1]
+    return new_ids

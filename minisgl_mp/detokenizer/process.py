@@ -40,7 +40,7 @@ class DetokenizerLoop:
         return True
 
     def _decode_batch(self, batch: Any) -> Any:
-        from minisgl_mp.detokenizer.incremental import IncrementalDetokenizer
+        from minisgl_mp.detokenizer.incremental import IncrementalDetokenizer, visible_ids
         from minisgl_mp.message.messages import BatchTextOut, TextOut
 
         outs = []
@@ -51,10 +51,10 @@ class DetokenizerLoop:
                 state = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=d.skip_special_tokens if d else True,
                     stop=d.stop if d else (), min_tokens=d.min_tokens if d else 0,
-                    prompt_ids=d.prompt_tail if d else (),
+                    prompt_ids=d.prompt_tail if d else (), include_stop=d.include_stop if d else False,
                 )
                 self.states[o.rid] = state
-            text = state.push(o.new_ids)
+            text = state.push(visible_ids(o.new_ids, o.finished, o.matched_stop, state.include_stop))
             if o.finished:
                 text += state.finish()
                 del self.states[o.rid]

@@ -16,6 +16,7 @@ from minisgl_mp.engine.tokenizer import load_tokenizer
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource, resolve_model
+from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.req import Req
 from minisgl_mp.scheduler.scheduler import Scheduler
 from minisgl_mp.utils.device import resolve_device, resolve_dtype
@@ -59,8 +60,10 @@ def eos_token_ids(source: ModelSource, model_config: ModelConfig, tokenizer: Any
     return frozenset(int(i) for i in ids)
 
 
-def build_scheduler(config: EngineConfig, progress: bool = True) -> tuple[Scheduler, Any | None]:
-    """The scheduler with its model loaded, and the tokenizer."""
+def build_scheduler(config: EngineConfig, progress: bool = True,
+                    faults: FaultPlan | None = None) -> tuple[Scheduler, Any | None]:
+    """The scheduler with its model loaded, and the tokenizer. `faults`: test-only injected
+    failures (scheduler/faults.py)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     parts, tokenizer = resolve_engine(config)
@@ -69,7 +72,7 @@ def build_scheduler(config: EngineConfig, progress: bool = True) -> tuple[Schedu
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
                          parts.context_len, progress=progress)
     make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
-    return Scheduler(config, runner, parts.eos_ids, make_checker), tokenizer
+    return Scheduler(config, runner, parts.eos_ids, make_checker, faults), tokenizer
 
 
 def stop_checker(tokenizer: Any, req: Req) -> IncrementalDetokenizer:

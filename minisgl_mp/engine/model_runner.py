@@ -50,7 +50,7 @@ class ModelRunner:
         logger.info(plan.describe(config.page_size))
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
                            mc.head_dim, self.kv_dtype, device, prefault=config.cpu_prefault_kv)
-        self.req_table = ReqTable(config.max_running_requests, context_len, device)
+        self.req_table = ReqTable(config.max_running_requests, context_len, device, config.page_size)
         self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads,
                                              mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel, dtype=dtype)
         logger.info("attention: %s, KV cache %s", "C paged kernel for short runs + PyTorch SDPA"

@@ -35,7 +35,7 @@ class AbortReq:
 @message("admin")
 class AdminReq:
     rid: str
-    command: str  # "stats", "flush_cache", "health"
+    command: str  # "ping", "stats", "flush_cache", "check_health"
 
 
 @message("shutdown")
@@ -52,6 +52,7 @@ class DetokParams:
     stop: list[str]
     min_tokens: int
     prompt_tail: TokenIds
+    include_stop: bool = False  # keep the matched stop string / stop token's text
 
 
 @message("logprob")

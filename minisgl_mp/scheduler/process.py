@@ -15,7 +15,9 @@ from minisgl_mp.message.messages import (
 )
 from minisgl_mp.message.transport import PullQueue, PushQueue
 from minisgl_mp.sampling_params import SamplingParams
+from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.scheduler import ReqOutput, Scheduler
+from minisgl_mp.scheduler.watchdog import Watchdog
 from minisgl_mp.server_config import ServerConfig
 from minisgl_mp.utils.process import StatusPipe, StopFlag, child_main
 
@@ -29,10 +31,12 @@ FULL_CHECK_EVERY = 12
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
+    def __init__(self, scheduler: Scheduler, inbox: PullQueue, outbox: PushQueue,
+                 watchdog: Watchdog | None = None) -> None:
         self.scheduler = scheduler
         self.inbox = inbox
         self.outbox = outbox
+        self.watchdog = watchdog
         self._detok: dict[str, DetokParams] = {}  # sent with each request's first output
         self._last_health_check = 0.0
         self._health_checks = 0
@@ -45,12 +49,24 @@ class SchedulerLoop:
                 logger.info("shutdown requested: %s", msg.reason)
                 return False
             self._handle(msg)
+        if self.watchdog is not None:
+            self.watchdog.step_started()
         outputs = self.scheduler.step()
-        if outputs:
-            self.outbox.put(BatchTokenOut([self._token_out(o) for o in outputs]))
-        elif not self.scheduler.has_work:
+        if self.watchdog is not None:
+            self.watchdog.step_ended()
+        self._send(outputs)
+        if not outputs and not self.scheduler.has_work:
             self._maybe_check_health()
         return True
+
+    def _send(self, outputs: list[ReqOutput]) -> None:
+        tokens = [self._token_out(o) for o in outputs if o.error is None]
+        if tokens:
+            self.outbox.put(BatchTokenOut(tokens))
+        for o in outputs:
+            if o.error is not None:  # after its tokens so far, in the order they happened
+                self._detok.pop(o.rid, None)
+                self.outbox.put(ReqError(o.rid, o.error, "internal"))
 
     def _receive(self) -> list[object]:
         # Idle: block (briefly, to notice SIGTERM). Busy: take what has arrived, never wait.
@@ -69,13 +85,17 @@ class SchedulerLoop:
                 self.outbox.put(ReqError(msg.rid, str(e), "invalid_request"))
                 return
             self._detok[msg.rid] = DetokParams(params.skip_special_tokens, list(params.stop),
-                                               params.min_tokens, msg.input_ids[-PROMPT_TAIL_TOKENS:])
+                                               params.min_tokens, msg.input_ids[-PROMPT_TAIL_TOKENS:],
+                                               params.include_stop_str_in_output)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, AdminReq):
             self.outbox.put(self._admin(msg))
 
     def _admin(self, msg: AdminReq) -> AdminReply:
+        if msg.command == "ping":  # liveness: answered between two steps
+            return AdminReply(msg.rid, True, {"running": len(self.scheduler.running),
+                                              "waiting": len(self.scheduler.waiting)})
         if msg.command == "stats":
             return AdminReply(msg.rid, True, {**self.scheduler.engine_stats(), "health_error": self.health_error})
         if msg.command == "flush_cache":
@@ -117,11 +137,12 @@ class SchedulerLoop:
 def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
     from minisgl_mp.engine.builder import build_scheduler
 
-    scheduler, _ = build_scheduler(config.engine, progress=False)
+    scheduler, _ = build_scheduler(config.engine, progress=False, faults=FaultPlan.from_env())
     ctx = zmq.Context()
     inbox = PullQueue(ctx, config.scheduler_addr, SCHEDULER_CHANNEL, bind=True)
     outbox = PushQueue(ctx, config.detokenizer_addr, DETOKENIZER_CHANNEL)
-    loop = SchedulerLoop(scheduler, inbox, outbox)
+    watchdog = Watchdog(config.server.watchdog_timeout, lambda reason: status.send("error", message=reason))
+    loop = SchedulerLoop(scheduler, inbox, outbox, watchdog)
     stats = scheduler.engine_stats()
     status.ready(kv_tokens=stats["total_tokens"])
     try:

@@ -27,7 +27,7 @@ def _mix_seed(seed: int, step: int) -> int:
 
 @dataclass(frozen=True)
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int | None]  # None where that request's sampling failed (see Scheduler._sample)
     logprobs: list[TokenLogprobs | None]
 
 
@@ -72,10 +72,13 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.params
             if r.output_len < p.min_tokens and r.stop_ids:
-                if not touched:
-                    logits, touched = logits.clone(), True
-                stop = torch.tensor(sorted(t for t in r.stop_ids if t < logits.shape[1]), device=logits.device)
-                logits[i, stop] = float("-inf")
+                # Ids past the logits (the vocabulary padded smaller than the tokenizer's) can
+                # never be sampled, so there is nothing to mask for them.
+                stop = sorted(t for t in r.stop_ids if 0 <= t < logits.shape[1])
+                if stop:
+                    if not touched:
+                        logits, touched = logits.clone(), True
+                    logits[i, torch.tensor(stop, dtype=torch.int64, device=logits.device)] = float("-inf")
             if p.has_penalties:
                 if not touched:
                     logits, touched = logits.clone(), True

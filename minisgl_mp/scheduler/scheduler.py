@@ -5,13 +5,19 @@ Requests join and leave between steps. Decodes run in every step (with a prefill
 them when `mixed_batch` is on), prefill chunks are bounded by `max_prefill_tokens`, admission
 estimates future growth instead of reserving `max_tokens`, and when decode runs out of pages the
 requests with the least generated so far are retracted and later resumed by recomputation.
+
+A step that raises fails the requests it was running, not the scheduler: they end with an error
+output, their KV is released and the page accounting is checked before the next step. A failure
+that belongs to one request (its sampling, its stop check) fails only that request. What cannot
+be recovered from (a broken page accounting, a device error, the same failure step after step)
+is raised out of `step()` as `FatalSchedulerError`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -23,9 +29,10 @@ from minisgl_mp.kvcache.base import create_prefix_cache
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.scheduler.batch import ScheduledBatch, build_batch
 from minisgl_mp.scheduler.cache_manager import CacheManager
+from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.policy import InFlightPrefixes, order_waiting
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
-from minisgl_mp.scheduler.sampler import Sampler
+from minisgl_mp.scheduler.sampler import SampleResult, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +42,21 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.15
 NEW_TOKEN_RATIO_DECAY = 0.002
 ESTIMATE_CAP_TOKENS = 4096
+# A step-level failure repeated this many steps in a row means the engine itself is broken.
+MAX_REPEATED_FAILURES = 3
+
+
+class FatalSchedulerError(RuntimeError):
+    """The scheduler cannot go on serving; the process should exit with this message."""
+
+
+def is_device_fatal(e: BaseException) -> bool:
+    """Errors after which the device's state cannot be trusted (CUDA's sticky errors). Running
+    out of memory is not one of them: the batch fails and memory comes back."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    text = f"{type(e).__name__}: {e}"
+    return any(s in text for s in ("AcceleratorError", "CUDA error", "device-side assert", "illegal memory access"))
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,7 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None  # set when the request failed; `finished` is then True
 
 
 @dataclass
@@ -61,12 +84,14 @@ class SchedulerStats:
     retractions: int = 0
     finished: int = 0
     aborted: int = 0
+    failed_requests: int = 0
+    failed_steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, eos_ids: frozenset[int],
-                 make_stop_checker: Callable[[Req], Any] | None = None) -> None:
+                 make_stop_checker: Callable[[Req], Any] | None = None, faults: FaultPlan | None = None) -> None:
         self.config = config
         self.runner = runner
         self.device = runner.device
@@ -84,6 +109,12 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._prefill_streak = 0
         self._pending_outputs: list[ReqOutput] = []
+        self.faults = faults or FaultPlan()
+        self._forwards = 0  # model forwards so far (the fault plan's step numbers)
+        # Requests the current step has scheduled so far: the ones a failure while scheduling fails.
+        self._step_reqs: list[Req] = []
+        self._failure_streak: tuple[str, int] = ("", 0)  # (failure, consecutive steps)
+        self._failed_this_step = False
 
     # ---- intake -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -96,6 +127,9 @@ class Scheduler:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_len}, "
@@ -133,14 +167,90 @@ class Scheduler:
 
     # ---- the loop body --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
+        self._step_reqs = []
+        self._failed_this_step = False
+        batch = None
+        try:
+            batch = self._schedule()
+            if batch is not None:
+                self._forwards += 1
+                self.faults.before("forward", self._forwards)
+                logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
+                result = self._sample(logits, batch.sampled_reqs)
+                self._process(batch, result)
+                self._failure_streak = ("", 0)
+        except FatalSchedulerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one failed step costs its requests, not the server
+            self._fail_step(e, batch.reqs if batch is not None else self._step_reqs)
+        if self._failed_this_step:
+            self._check_after_failure()
         outputs, self._pending_outputs = self._pending_outputs, []
-        batch = self._schedule()
-        if batch is None:
-            return outputs
-        logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
-        result = self.sampler.sample(logits, batch.sampled_reqs) if batch.sampled_reqs else None
-        outputs.extend(self._process(batch, result))
         return outputs
+
+    # ---- failures -----------------------------------------------------------------------------
+    def _fail_step(self, e: Exception, reqs: list[Req]) -> None:
+        """Fail the step's requests: its batch, or (if scheduling itself raised) those it had
+        touched so far."""
+        what = f"{type(e).__name__}: {e}"
+        if is_device_fatal(e):
+            raise FatalSchedulerError(f"unrecoverable device error: {what}") from e
+        last, count = self._failure_streak
+        count = count + 1 if what == last else 1
+        self._failure_streak = (what, count)
+        self.stats.failed_steps += 1
+        victims = list(dict.fromkeys(r for r in reqs if not r.finished))
+        logger.exception("a scheduler step failed; failing its %d request(s)", len(victims))
+        if count >= MAX_REPEATED_FAILURES:
+            raise FatalSchedulerError(f"the same failure in {count} steps in a row: {what}") from e
+        for r in victims:
+            self._fail(r, f"internal error while running the batch: {what}")
+
+    def _fail(self, req: Req, message: str) -> None:
+        """End `req` with an error: out of the queues, its KV released (nothing it computed goes
+        into the prefix cache: this step's writes may be partial)."""
+        self._failed_this_step = True
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        try:
+            self.kv.release(req, keep_in_cache=False)
+        except Exception:  # noqa: BLE001 - the accounting check that follows names any leak
+            logger.exception("releasing the KV of failed request %s", req.rid)
+        req.finish_reason = FinishReason.ABORT
+        self.reqs.pop(req.rid, None)
+        self.stats.failed_requests += 1
+        self._pending_outputs.append(replace(self._output(req, [], []), error=message))
+
+    def _check_after_failure(self) -> None:
+        try:
+            self.check_health(full=True)
+        except Exception as e:  # noqa: BLE001 - any inconsistency is fatal here
+            raise FatalSchedulerError(f"KV accounting broken after a failed step: {e}") from e
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
+        """Sample the batch; if that raises, sample each request alone and fail only those whose
+        own sampling fails (their constraints), with None in their place."""
+        if not reqs:
+            return None
+        try:
+            self.faults.before("sample", self._forwards)
+            return self.sampler.sample(logits, reqs)
+        except Exception:  # noqa: BLE001 - narrowed down to the requests that cause it below
+            logger.exception("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
+        token_ids: list[int | None] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for i, r in enumerate(reqs):
+            try:
+                one = self.sampler.sample(logits[i : i + 1], [r])
+                token_ids.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                token_ids.append(None)
+                logprobs.append(None)
+                self._fail(r, f"sampling failed: {type(e).__name__}: {e}")
+        return SampleResult(token_ids, logprobs)
 
     def _schedule(self) -> ScheduledBatch | None:
         decodes = [r for r in self.running if r.is_decoding]
@@ -170,6 +280,7 @@ class Scheduler:
             self._retract_one()
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         entries = []
+        self._step_reqs.extend(decodes)
         for r in decodes:
             loc = self.kv.reserve(r, 1)
             if loc is None:  # cannot happen after the check above
@@ -206,6 +317,7 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(r.extend_len, budget)
+            self._step_reqs.append(r)
             loc = self.kv.reserve(r, n)
             if loc is None:
                 # Out of pages mid-prompt: step back rather than hold KV that cannot grow. Its
@@ -230,6 +342,7 @@ class Scheduler:
                 continue
             if not self.kv.admit(r):
                 break
+            self._step_reqs.append(r)  # holds a row and a lock from here
             n = min(r.extend_len, budget)
             loc = None
             if self._future_tokens(r) + reserved <= self.kv.available_tokens or not self.running:
@@ -253,31 +366,40 @@ class Scheduler:
             r.waited_rounds += 1
         return entries
 
-    def _process(self, batch: ScheduledBatch, result: Any) -> list[ReqOutput]:
+    def _process(self, batch: ScheduledBatch, result: SampleResult | None) -> None:
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
         self.stats.decode_tokens += sum(n for n, p in zip(batch.extend_lens, batch.prefill) if not p)
-        outputs = []
         k = 0
         for req, n, sampled, prefill in zip(batch.reqs, batch.extend_lens, batch.sampled, batch.prefill):
-            req.cached_len += n
-            if not sampled:
+            token, lp = None, None
+            if sampled:
+                token, lp = result.token_ids[k], result.logprobs[k]
+                k += 1
+            if req.finished:  # failed while sampling
                 continue
-            token, lp = result.token_ids[k], result.logprobs[k]
-            k += 1
-            if prefill and req.cached_len - req.cache_len >= self.kv.page_size:
-                self.kv.cache_prefix(req)
-            req.token_ids.append(token)
-            if lp is not None:
-                req.logprobs.append(lp)
-            self._check_finished(req, token)
-            outputs.append(self._output(req, [token], [lp] if lp is not None else []))
-            if req.finished:
-                self.running.remove(req)
-                self.kv.release(req)
-                del self.reqs[req.rid]
-                self.stats.finished += 1
-        return outputs
+            try:
+                self._process_one(req, n, prefill, token, lp)
+            except Exception as e:  # noqa: BLE001 - e.g. its stop-string check: only this request fails
+                logger.exception("processing the output of %s failed", req.rid)
+                self._fail(req, f"internal error while processing its output: {type(e).__name__}: {e}")
+
+    def _process_one(self, req: Req, n: int, prefill: bool, token: int | None, lp: TokenLogprobs | None) -> None:
+        req.cached_len += n
+        if token is None:  # a prompt chunk that goes on in a later step
+            return
+        if prefill and req.cached_len - req.cache_len >= self.kv.page_size:
+            self.kv.cache_prefix(req)
+        req.token_ids.append(token)
+        if lp is not None:
+            req.logprobs.append(lp)
+        self._check_finished(req, token)
+        self._pending_outputs.append(self._output(req, [token], [lp] if lp is not None else []))
+        if req.finished:
+            self.running.remove(req)
+            self.kv.release(req)
+            del self.reqs[req.rid]
+            self.stats.finished += 1
 
     def _check_finished(self, req: Req, token: int) -> None:
         past_min = req.output_len >= req.params.min_tokens
@@ -324,4 +446,5 @@ class Scheduler:
             "steps": s.steps, "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
             "cached_prompt_tokens": s.cached_prompt_tokens, "retractions": s.retractions,
             "finished": s.finished, "aborted": s.aborted,
+            "failed_requests": s.failed_requests, "failed_steps": s.failed_steps,
         }

@@ -3,13 +3,14 @@
     POST /v1/completions, /v1/chat/completions   OpenAI-compatible (openai_protocol, openai_serving)
     GET  /v1/models, /v1/models/{id}
     POST /generate                               SGLang's native shape (native_api)
-    GET  /health                                 200 once a one-token generation goes through
+    GET  /health                                 200 while the scheduler answers between its steps
+    GET  /health_generate                        200 once a one-token generation goes through
     GET  /metrics                                Prometheus text
     POST /flush_cache, GET /engine_stats         admin: the scheduler's prefix cache and stats
 
 Bodies are parsed by hand rather than by pydantic models, so every rejection is a 400 in
 OpenAI's error shape whose message names the field and its allowed range. With --api-key every
-endpoint but /health needs `Authorization: Bearer <key>`.
+endpoint but /health and /health_generate needs `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from minisgl_mp.server.native_api import generate_once, generate_stream, parse_n
 from minisgl_mp.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from minisgl_mp.server.openai_serving import TokenTexts, complete, stream
 from minisgl_mp.server_config import ServerConfig
-from minisgl_mp.tokenizer.manager import TokenizerManager
+from minisgl_mp.tokenizer.manager import SHUTDOWN_RETRY_AFTER_S, TokenizerManager
 from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError
 
 logger = logging.getLogger("minisgl_mp.server.http")
@@ -140,12 +141,25 @@ def build_app(config: ServerConfig, manager: TokenizerManager) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: the scheduler answers between two of its steps (a hung step, or a dead
+        process, does not). No generation and not a request in the metrics."""
         if manager.stopping:
-            raise HttpError("the server is shutting down", kind="unavailable")
+            raise HttpError("the server is shutting down", kind="unavailable", retry_after=SHUTDOWN_RETRY_AFTER_S)
+        try:
+            await manager.admin("ping", timeout=server.health_timeout)
+        except RequestError as e:
+            raise HttpError(f"the scheduler did not answer: {e.message}", kind="unavailable") from None
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Readiness, end to end: a one-token generation through all three processes."""
+        if manager.stopping:
+            raise HttpError("the server is shutting down", kind="unavailable", retry_after=SHUTDOWN_RETRY_AFTER_S)
         probe = GenerateRequest(rid=None, params=SamplingParams(max_tokens=1, temperature=0.0), input_ids=[0])
 
         async def one_token() -> None:
-            async with contextlib.aclosing(manager.generate(probe)) as outs:
+            async with contextlib.aclosing(manager.generate(probe, probe=True)) as outs:
                 async for _ in outs:
                     pass
 

@@ -28,26 +28,27 @@ T = TypeVar("T")
 _ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "authentication_error",
                 "not_found": "not_found_error", "payload_too_large": "invalid_request_error",
                 "overloaded": "server_overloaded", "unavailable": "service_unavailable",
-                "internal": "internal_server_error"}
+                "internal": "internal_error"}
 
 
 class HttpError(RequestError):
     """A RequestError with OpenAI's machine-readable `code` (e.g. "model_not_found")."""
 
     def __init__(self, message: str, kind: str = "invalid_request", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message, kind=kind, param=param)
+                 code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message, kind=kind, param=param, retry_after=retry_after)
         self.code = code
 
 
 def error_body(err: RequestError) -> dict[str, Any]:
     code = getattr(err, "code", None) or err.kind
-    return {"error": {"message": err.message, "type": _ERROR_TYPES.get(err.kind, "internal_server_error"),
+    return {"error": {"message": err.message, "type": _ERROR_TYPES.get(err.kind, "internal_error"),
                       "param": err.param, "code": code}}
 
 
 def error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
 
 def sse(obj: Any) -> bytes:

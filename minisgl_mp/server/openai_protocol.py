@@ -22,8 +22,10 @@ from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_m
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
-                   "ignore_eos", "stop_token_ids", "skip_special_tokens")
-_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS}
+                   "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+# Other engines' names for a sampling field: SGLang's no_stop_trim is vLLM's include_stop_str_in_output.
+FIELD_ALIASES = {"no_stop_trim": "include_stop_str_in_output"}
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS, *FIELD_ALIASES}
 COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo"})
 CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
@@ -108,6 +110,17 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     return _opt_bool(opts, "include_usage")
 
 
+def with_aliases(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with other engines' field names (FIELD_ALIASES) under ours; both at once is an error."""
+    out = dict(body)
+    for alias, name in FIELD_ALIASES.items():
+        if out.get(alias) is not None:
+            if out.get(name) is not None and out[name] != out[alias]:
+                raise HttpError(f"{alias} and {name} are the same setting; give one", param=alias)
+            out[name] = out.pop(alias)
+    return out
+
+
 def sampling_params(fields: dict[str, Any]) -> SamplingParams:
     """SamplingParams from the non-null `fields`; its messages start with the field's name."""
     try:
@@ -166,6 +179,7 @@ def _new_request(chat: bool, model: str, n: int, choices: list[Choice], stream: 
 async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
     server, model = manager.config.server, manager.config.model.name
     check_fields(body, COMPLETION_FIELDS)
+    body = with_aliases(body)
     check_model(body, model)
     if "prompt" not in body:
         raise HttpError("prompt is required", param="prompt")
@@ -192,6 +206,7 @@ async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> O
 async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
     server, model, context_len = manager.config.server, manager.config.model.name, manager.context_len
     check_fields(body, CHAT_FIELDS)
+    body = with_aliases(body)
     check_model(body, model)
     if "messages" not in body:
         raise HttpError("messages is required", param="messages")

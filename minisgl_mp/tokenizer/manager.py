@@ -25,6 +25,10 @@ logger = logging.getLogger("minisgl_mp.tokenizer")
 
 # Texts longer than this are tokenized in a worker thread so the event loop keeps serving.
 INLINE_TOKENIZE_CHARS = 20_000
+# Retry-After (seconds) on a 503: a draining server is going away (a router retries elsewhere);
+# a full queue drains quickly.
+SHUTDOWN_RETRY_AFTER_S = 5
+OVERLOADED_RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -32,7 +36,10 @@ class _ReqState:
     queue: asyncio.Queue[TextOut | ReqError] = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.perf_counter)
     last_output: float | None = None
+    submitted: bool = False  # sent (or being sent) to the scheduler: leaving early must abort it
+    abort_sent: bool = False  # by abort_all (shutdown)
     finished: bool = False
+    probe: bool = False  # a health probe: not a user request, not in the metrics
 
 
 class TokenizerManager:
@@ -72,6 +79,10 @@ class TokenizerManager:
 
     # ---- tokenization ----------------------------------------------------------------------------
     async def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        bad_stop = next((t for t in req.params.stop_token_ids if t >= self.vocab_size), None)
+        if bad_stop is not None:
+            raise RequestError(f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})",
+                               param="stop_token_ids")
         if req.input_ids is not None:
             ids = req.input_ids
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -113,41 +124,60 @@ class TokenizerManager:
 
     def admit_check(self, extra: int = 1) -> None:
         if self.stopping:
-            raise RequestError("the server is shutting down", kind="unavailable")
+            raise RequestError("the server is shutting down and takes no new requests", kind="unavailable",
+                               retry_after=SHUTDOWN_RETRY_AFTER_S)
         if len(self.states) + extra > self.config.server.max_queued_requests:
             raise RequestError(
                 f"too many requests in flight ({len(self.states)}; --max-queued-requests "
-                f"{self.config.server.max_queued_requests}); retry later", kind="overloaded")
+                f"{self.config.server.max_queued_requests}); retry later", kind="overloaded",
+                retry_after=OVERLOADED_RETRY_AFTER_S)
 
     async def generate(self, req: GenerateRequest, ids: list[int] | None = None,
-                       rid: str | None = None) -> AsyncIterator[TextOut]:
-        """Outputs of one request, the last with finished=True. Raises RequestError."""
+                       rid: str | None = None, probe: bool = False) -> AsyncIterator[TextOut]:
+        """Outputs of one request, the last with finished=True. Raises RequestError. `probe`:
+        a health check's request, kept out of the metrics."""
         rid = rid or req.rid or self.new_rid()
         if rid in self.states:
             raise RequestError(f"request id {rid!r} is already in use", param="rid")
         self.admit_check()
-        if ids is None:
-            ids = await self.prompt_ids(req)
-        state = _ReqState()
+        state = _ReqState(probe=probe)
+        # NOTE: the id is taken before the first await, so that of two requests with one id
+        # arriving together, the second is refused here rather than reaching the scheduler.
         self.states[rid] = state
         try:
+            if ids is None:
+                ids = await self.prompt_ids(req)
+            state.submitted = True
             await self.to_scheduler.put(GenerateReq(rid, ids, req.params.to_dict()))
             while True:
                 msg = await state.queue.get()
                 if isinstance(msg, ReqError):
                     state.finished = True
-                    if self.metrics:
+                    if self.metrics and not probe:
                         self.metrics.request_errors.inc()
                     raise RequestError(msg.message, kind=msg.kind if msg.kind in RequestError.STATUS else "internal")
-                self._observe(state, msg)
+                if not probe:
+                    self._observe(state, msg)
                 yield msg
                 if msg.finished:
                     state.finished = True
                     return
         finally:
             del self.states[rid]
-            if not state.finished:
+            if state.submitted and not state.finished:
                 self.spawn(self.to_scheduler.put(AbortReq(rid)))
+
+    @property
+    def num_user_requests(self) -> int:
+        return sum(not s.probe for s in self.states.values())
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (shutdown): each ends with finish_reason "abort"."""
+        states = [(rid, s) for rid, s in self.states.items() if s.submitted and not s.finished and not s.abort_sent]
+        for rid, state in states:
+            state.abort_sent = True
+            await self.to_scheduler.put(AbortReq(rid))
+        return len(states)
 
     def _observe(self, state: _ReqState, out: TextOut) -> None:
         now = time.perf_counter()

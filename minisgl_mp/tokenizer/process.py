@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 from minisgl_mp.server_config import ServerConfig
 from minisgl_mp.utils.process import StatusPipe, StopFlag, child_main
 
 logger = logging.getLogger("minisgl_mp.tokenizer")
+# After the abort at the end of a drain: how long the "abort" replies get to reach their clients.
+ABORT_GRACE_S = 2.0
 
 
 async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
@@ -53,6 +57,9 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
                 done[0].result()  # a frontend died: raise its error
                 raise RuntimeError(f"task {done[0].get_name()} ended unexpectedly")
             await asyncio.sleep(0.1)
+        if not stop.immediate:
+            timeout = 0.0 if stop.mode == "abort" else config.server.shutdown_timeout
+            await _drain(manager, timeout, tasks, stop)
     finally:
         # Refuse new requests, let the HTTP server close its connections, and only then stop
         # routing and close the sockets (requests still open get aborted on the way).
@@ -68,6 +75,30 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
         from_detok.close()
         to_sched.close()
         ctx.term()
+
+
+async def _drain(manager: Any, timeout: float, tasks: list[asyncio.Task[None]], stop: StopFlag) -> None:
+    """SIGTERM: take no new requests (503), let those in flight finish for up to `timeout`
+    seconds, then abort the rest, which end with finish_reason "abort". Every client gets a
+    finished reply; the launcher stops the scheduler and detokenizer only after this."""
+    manager.stopping = True
+    if manager.states:
+        logger.info("shutting down: %d request(s) in flight get up to %gs to finish (--shutdown-timeout)",
+                    len(manager.states), timeout)
+    deadline = time.monotonic() + timeout
+    def cut_short() -> bool:  # told to stop now, or a frontend died
+        return stop.immediate or any(t.done() for t in tasks)
+
+    while manager.states and time.monotonic() < deadline and not cut_short():
+        await asyncio.sleep(0.05)
+    if manager.states and not cut_short():
+        logger.info("shutting down: aborting %d request(s) still running", len(manager.states))
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while manager.states and time.monotonic() < deadline and not cut_short():
+            await manager.abort_all()  # again for any that were still being tokenized
+            await asyncio.sleep(0.05)
+    # Let the last replies leave before the HTTP server closes their connections.
+    await asyncio.sleep(0.1)
 
 
 def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:

@@ -13,7 +13,7 @@ from minisgl_mp.message.codec import WireError, unpack_ids
 from minisgl_mp.sampling_params import SamplingParams
 
 MAX_RID_CHARS = 128
-ADMIN_COMMANDS = ("stats", "flush_cache", "check_health")
+ADMIN_COMMANDS = ("stats", "flush_cache", "check_health", "ping")
 
 
 class RequestError(Exception):
@@ -22,11 +22,13 @@ class RequestError(Exception):
     STATUS = {"invalid_request": 400, "unauthorized": 401, "not_found": 404,
               "payload_too_large": 413, "overloaded": 503, "unavailable": 503, "internal": 500}
 
-    def __init__(self, message: str, kind: str = "invalid_request", param: str | None = None) -> None:
+    def __init__(self, message: str, kind: str = "invalid_request", param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.kind = kind
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After with a 503
 
     @property
     def status(self) -> int:
@@ -84,6 +86,8 @@ def check_input_ids(ids: Any, param: str = "input_ids") -> list[int]:
 
 
 def make_params(d: Any) -> SamplingParams:
+    if isinstance(d, dict) and "no_stop_trim" in d:  # SGLang's name for include_stop_str_in_output
+        d = {k: v for k, v in d.items() if k != "no_stop_trim"} | {"include_stop_str_in_output": d["no_stop_trim"]}
     try:
         return SamplingParams.from_dict({} if d is None else d)
     except (ValueError, TypeError) as e:

@@ -18,13 +18,35 @@ from typing import Any, Callable
 PR_SET_PDEATHSIG = 1
 
 
+# How the launcher stops its children. SIGTERM asks the tokenizer process to drain: no new
+# requests, running ones finish within --shutdown-timeout, the rest end with "abort".
+# ABORT_NOW_SIGNAL (Ctrl+C at the launcher) drains with no wait: every running request ends
+# with "abort" at once. STOP_NOW_SIGNAL (another process died, or a second signal) stops at
+# once; the scheduler and detokenizer treat all three alike.
+ABORT_NOW_SIGNAL = signal.SIGUSR2
+STOP_NOW_SIGNAL = signal.SIGUSR1
+
+
 class StopFlag:
-    """Set by SIGTERM; loops poll it between short blocking waits."""
+    """Set by any of the stop signals above; `mode` says which: "drain", "abort" or "now".
+    Loops poll it between short blocking waits."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+        self.mode = "drain"
+        signal.signal(signal.SIGTERM, lambda *_: self._stop("drain"))
+        signal.signal(ABORT_NOW_SIGNAL, lambda *_: self._stop("abort"))
+        signal.signal(STOP_NOW_SIGNAL, lambda *_: self._stop("now"))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _stop(self, mode: str) -> None:
+        if not self._event.is_set() or mode == "now":  # "now" overrides a drain under way
+            self.mode = mode
+        self._event.set()
+
+    @property
+    def immediate(self) -> bool:
+        return self.mode == "now"
 
     @property
     def is_set(self) -> bool:

@@ -148,6 +148,12 @@ static inline void dot4x2(const float *restrict q0, const float *restrict q1, co
     hsum4x16(c0, c1, c2, c3, out1);
 }
 
+/* Keys are taken KEY_TILE at a time with an online softmax (running max and sum per query row,
+ * the accumulator rescaled when the max grows), so a thread's scratch is bounded by its query
+ * rows, never by the context: one long request beside an extend must not need a score row per
+ * key of the longest context. */
+#define KEY_TILE 256
+
 static inline __attribute__((always_inline)) int attend(
     const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
     const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
@@ -157,11 +163,9 @@ static inline __attribute__((always_inline)) int attend(
      * a request run along memory (a slot's heads are adjacent); chunks only split the heads
      * when there are too few requests to keep every thread busy. */
     const int64_t per_chunk = hkv / head_chunks;
-    int64_t max_rows = 0, max_keys = 0;
-    for (int64_t b = 0; b < batch; ++b) {
+    int64_t max_rows = 0;
+    for (int64_t b = 0; b < batch; ++b)
         if (q_len[b] > max_rows) max_rows = q_len[b];
-        if (kv_len[b] > max_keys) max_keys = kv_len[b];
-    }
     max_rows *= per_chunk * groups;
     int failed = 0;
 #pragma omp parallel
@@ -171,104 +175,134 @@ static inline __attribute__((always_inline)) int attend(
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
 #endif
-        float *scores = malloc(sizeof(float) * (size_t)(max_rows * max_keys));
+        /* scores [rows, KEY_TILE], acc [rows, d], running max and sum [rows] */
+        float *scores = malloc(sizeof(float) * (size_t)(max_rows * KEY_TILE));
         float *acc = malloc(sizeof(float) * (size_t)(max_rows * d));
-        if (!scores || !acc) {
+        float *run_max = malloc(sizeof(float) * (size_t)max_rows);
+        float *run_sum = malloc(sizeof(float) * (size_t)max_rows);
+        if (!scores || !acc || !run_max || !run_sum) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < batch * head_chunks; ++w) {
-            if (failed) continue;
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) continue;
             const int64_t b = w / head_chunks, h0 = (w % head_chunks) * per_chunk;
             const int64_t nq = q_len[b], nk = kv_len[b], first = nk - nq;
             const int64_t qheads = per_chunk * groups;     /* query heads of this item */
             const int64_t rows = nq * qheads;              /* row r = i * qheads + head */
             const int64_t *slots = kv_index + b * stride;
             const float *qb = q + (q_start[b] * hq + h0 * groups) * d;
-            int64_t t = 0;
-            /* Blocks of four keys that every query row sees (all of a decode's keys). */
-            if (d % 16 == 0)
-                for (; t + 4 <= first + 1 && t + 4 <= nk; t += 4) {
-                    const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
-                    const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
-                    for (int64_t i = 0; i < nq; ++i) {
-                        int64_t qh = 0;
-                        if (groups % 2 == 0) /* query heads in pairs of one kv head */
-                            for (; qh < qheads; qh += 2) {
-                                const int64_t off = (qh / groups) * d;
-                                float s0[4], s1[4];
-                                dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k, o0 + off, o1 + off,
-                                       o2 + off, o3 + off, d, bf16, s0, s1);
-                                float *row0 = scores + (i * qheads + qh) * nk + t, *row1 = row0 + nk;
-                                for (int c = 0; c < 4; ++c) {
-                                    row0[c] = s0[c] * scale;
-                                    row1[c] = s1[c] * scale;
+            memset(acc, 0, sizeof(float) * (size_t)(rows * d));
+            for (int64_t r = 0; r < rows; ++r) {
+                run_max[r] = -INFINITY;
+                run_sum[r] = 0.0f;
+            }
+            for (int64_t t0 = 0; t0 < nk; t0 += KEY_TILE) {
+                const int64_t t1 = t0 + KEY_TILE < nk ? t0 + KEY_TILE : nk;
+                int64_t t = t0;
+                /* Blocks of four keys that every query row sees (all of a decode's keys). */
+                if (d % 16 == 0)
+                    for (; t + 4 <= first + 1 && t + 4 <= t1; t += 4) {
+                        const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
+                        const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
+                        for (int64_t i = 0; i < nq; ++i) {
+                            int64_t qh = 0;
+                            if (groups % 2 == 0) /* query heads in pairs of one kv head */
+                                for (; qh < qheads; qh += 2) {
+                                    const int64_t off = (qh / groups) * d;
+                                    float s0[4], s1[4];
+                                    dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k, o0 + off,
+                                           o1 + off, o2 + off, o3 + off, d, bf16, s0, s1);
+                                    float *row0 = scores + (i * qheads + qh) * KEY_TILE + (t - t0);
+                                    float *row1 = row0 + KEY_TILE;
+                                    for (int c = 0; c < 4; ++c) {
+                                        row0[c] = s0[c] * scale;
+                                        row1[c] = s1[c] * scale;
+                                    }
                                 }
+                            for (; qh < qheads; ++qh) {
+                                const int64_t off = (qh / groups) * d;
+                                float sc[4];
+                                dot4(qb + (i * hq + qh) * d, k, o0 + off, o1 + off, o2 + off, o3 + off, d, bf16,
+                                     sc);
+                                float *row = scores + (i * qheads + qh) * KEY_TILE + (t - t0);
+                                for (int c = 0; c < 4; ++c) row[c] = sc[c] * scale;
                             }
-                        for (; qh < qheads; ++qh) {
-                            const int64_t off = (qh / groups) * d;
-                            float sc[4];
-                            dot4(qb + (i * hq + qh) * d, k, o0 + off, o1 + off, o2 + off, o3 + off, d, bf16, sc);
-                            float *row = scores + (i * qheads + qh) * nk + t;
-                            for (int c = 0; c < 4; ++c) row[c] = sc[c] * scale;
                         }
                     }
+                for (; t < t1; ++t) {
+                    const int64_t kr = (slots[t] * hkv + h0) * d;
+                    const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
+                    for (int64_t i = i0; i < nq; ++i)
+                        for (int64_t qh = 0; qh < qheads; ++qh)
+                            scores[(i * qheads + qh) * KEY_TILE + (t - t0)] =
+                                dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
                 }
-            for (; t < nk; ++t) {
-                const int64_t kr = (slots[t] * hkv + h0) * d;
-                const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
-                for (int64_t i = i0; i < nq; ++i)
-                    for (int64_t qh = 0; qh < qheads; ++qh)
-                        scores[(i * qheads + qh) * nk + t] =
-                            dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
+                /* Online softmax over this tile: new max, rescale what was accumulated. */
+                for (int64_t r = 0; r < rows; ++r) {
+                    const int64_t seen = first + r / qheads + 1 - t0; /* keys of the tile row r sees */
+                    if (seen <= 0) continue;
+                    const int64_t n = seen < t1 - t0 ? seen : t1 - t0;
+                    float *s = scores + r * KEY_TILE;
+                    float m = run_max[r], sum = 0.0f;
+#pragma omp simd reduction(max : m)
+                    for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t j = 0; j < n; ++j) {
+                        s[j] = exp_nonpos(s[j] - m);
+                        sum += s[j];
+                    }
+                    if (m != run_max[r]) {
+                        const float corr = exp_nonpos(run_max[r] - m); /* 0 on the first tile */
+                        float *a = acc + r * d;
+#pragma omp simd
+                        for (int64_t j = 0; j < d; ++j) a[j] *= corr;
+                        run_sum[r] *= corr;
+                        run_max[r] = m;
+                    }
+                    run_sum[r] += sum;
+                }
+                t = t0;
+                /* Blocks of four values that every row weighs (all of a decode's): each
+                 * accumulator chunk is loaded and stored once per four tokens, not once per token. */
+                if (d % 16 == 0)
+                    for (; t + 4 <= first + 1 && t + 4 <= t1; t += 4) {
+                        const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
+                        const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
+                        for (int64_t r = 0; r < rows; ++r) {
+                            const float *p = scores + r * KEY_TILE + (t - t0);
+                            const int64_t off = ((r % qheads) / groups) * d;
+                            float *a = acc + r * d;
+                            for (int64_t j = 0; j < d; j += 16) {
+                                const vf16 x = load16(a + j) + p[0] * kv_load16(v, o0 + off + j, bf16) +
+                                               p[1] * kv_load16(v, o1 + off + j, bf16) +
+                                               p[2] * kv_load16(v, o2 + off + j, bf16) +
+                                               p[3] * kv_load16(v, o3 + off + j, bf16);
+                                memcpy(a + j, &x, sizeof x);
+                            }
+                        }
+                    }
+                for (; t < t1; ++t) {
+                    const int64_t vr = (slots[t] * hkv + h0) * d;
+                    const int64_t i0 = t > first ? t - first : 0;
+                    for (int64_t r = i0 * qheads; r < rows; ++r) {
+                        const float p = scores[r * KEY_TILE + (t - t0)];
+                        const int64_t vh = vr + ((r % qheads) / groups) * d;
+                        float *a = acc + r * d;
+#pragma omp simd
+                        for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
+                    }
+                }
             }
             for (int64_t r = 0; r < rows; ++r) {
-                float *s = scores + r * nk;
-                const int64_t n = first + r / qheads + 1; /* keys this row sees */
-                float m = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : m)
-                for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) {
-                    s[t] = exp_nonpos(s[t] - m);
-                    sum += s[t];
-                }
-                const float inv = 1.0f / sum;
+                const float inv = 1.0f / run_sum[r];
+                float *a = acc + r * d;
 #pragma omp simd
-                for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(rows * d));
-            t = 0;
-            /* Blocks of four values that every row weighs (all of a decode's): each accumulator
-             * chunk is loaded and stored once per four tokens, not once per token. */
-            if (d % 16 == 0)
-                for (; t + 4 <= first + 1 && t + 4 <= nk; t += 4) {
-                    const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
-                    const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
-                    for (int64_t r = 0; r < rows; ++r) {
-                        const float *p = scores + r * nk + t;
-                        const int64_t off = ((r % qheads) / groups) * d;
-                        float *a = acc + r * d;
-                        for (int64_t j = 0; j < d; j += 16) {
-                            const vf16 x = load16(a + j) + p[0] * kv_load16(v, o0 + off + j, bf16) +
-                                           p[1] * kv_load16(v, o1 + off + j, bf16) +
-                                           p[2] * kv_load16(v, o2 + off + j, bf16) +
-                                           p[3] * kv_load16(v, o3 + off + j, bf16);
-                            memcpy(a + j, &x, sizeof x);
-                        }
-                    }
-                }
-            for (; t < nk; ++t) {
-                const int64_t vr = (slots[t] * hkv + h0) * d;
-                const int64_t i0 = t > first ? t - first : 0;
-                for (int64_t r = i0 * qheads; r < rows; ++r) {
-                    const float p = scores[r * nk + t];
-                    const int64_t vh = vr + ((r % qheads) / groups) * d;
-                    float *a = acc + r * d;
-#pragma omp simd
-                    for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
-                }
+                for (int64_t j = 0; j < d; ++j) a[j] *= inv;
             }
             for (int64_t i = 0; i < nq; ++i)
                 memcpy(out + ((q_start[b] + i) * hq + h0 * groups) * d, acc + i * qheads * d,
@@ -276,6 +310,8 @@ static inline __attribute__((always_inline)) int attend(
         }
         free(scores);
         free(acc);
+        free(run_max);
+        free(run_sum);
 #if defined(__SSE__)
         _mm_setcsr(csr);
 #endif
