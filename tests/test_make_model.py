@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from minisgl_mp.tools import make_model
-from minisgl_mp.tools.make_model import Qwen3Shape, build_checkpoint
+from minisgl_mp.tools.make_model import ModelShape, build_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MakeCheckpoint = Callable[..., Path]  # see the make_checkpoint fixture in conftest.py
@@ -73,7 +73,7 @@ def test_default_checkpoint_loads_in_transformers_with_every_weight(
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.dtype == torch.float32
     assert model.config.num_key_value_heads == tiny_config["num_key_value_heads"]
-    expected = set(Qwen3Shape.from_config(tiny_config).tensor_shapes())
+    expected = set(ModelShape.from_config(tiny_config).tensor_shapes())
     assert stored_names(tiny_model_dir) == expected
     assert "lm_head.weight" not in expected  # tied: Qwen3 small models store no lm_head
 
@@ -268,7 +268,7 @@ PUBLISHED_SIZES = {
 def test_real_qwen3_configs_have_the_published_sizes(name: str) -> None:
     config = json.loads((REPO_ROOT / "configs" / "models" / f"{name}.json").read_text())
     assert Qwen3Config(**config).tie_word_embeddings == (name != "Qwen3-8B")
-    shapes = Qwen3Shape.from_config(config).tensor_shapes()
+    shapes = ModelShape.from_config(config).tensor_shapes()
     total = sum(math.prod(dims) for dims in shapes.values())
     vocab_tables = [key for key in shapes if key in ("model.embed_tokens.weight", "lm_head.weight")]
     body = total - sum(math.prod(shapes[key]) for key in vocab_tables)
