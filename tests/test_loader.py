@@ -138,6 +138,29 @@ def test_missing_tensor_is_named(small_copy: Path, name: str) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("arch, name", [
+    ("qwen3_moe", "model.layers.0.mlp.experts.5.up_proj.weight"),  # one part of one expert
+    ("qwen3_moe", "model.layers.0.mlp.experts.7.down_proj.weight"),
+    ("qwen3_moe", "model.layers.0.mlp.gate.weight"),  # the router
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
+])
+def test_missing_tensor_of_other_architectures_is_named(make_checkpoint: MakeCheckpoint, tmp_path: Path,
+                                                        arch: str, name: str) -> None:
+    model_dir = _copy(make_checkpoint(SMALL, arch=arch), tmp_path / "model")
+    _rewrite(model_dir / WEIGHTS, lambda t: t.pop(name))
+    msg = _load_error(model_dir)
+    assert name in msg and "missing" in msg
+
+
+@pytest.mark.timeout(60)
+def test_expert_past_the_configured_count_is_refused(make_checkpoint: MakeCheckpoint, tmp_path: Path) -> None:
+    model_dir = _copy(make_checkpoint(SMALL, arch="qwen3_moe"), tmp_path / "model")
+    name = "model.layers.0.mlp.experts.8.down_proj.weight"  # experts 0-7
+    _rewrite(model_dir / WEIGHTS, lambda t: t.__setitem__(name, t["model.layers.0.mlp.experts.0.down_proj.weight"].clone()))
+    assert "expert 8" in _load_error(model_dir)
+
+
+@pytest.mark.timeout(60)
 def test_untied_checkpoint_without_lm_head_is_refused(make_checkpoint: MakeCheckpoint, tmp_path: Path) -> None:
     model_dir = _copy(make_checkpoint({**SMALL, "tie_word_embeddings": False}), tmp_path / "model")
     _rewrite(model_dir / WEIGHTS, lambda t: t.pop("lm_head.weight"))

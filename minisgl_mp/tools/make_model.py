@@ -56,6 +56,11 @@ NORM_NOISE = 0.1  # norm weights are 1 + N(0, NORM_NOISE) so no two channels are
 # QK_GAIN gives q and k unit scale, as the norms do for Qwen3.
 QK_GAIN = 1.0
 QK_PROJ = re.compile(r"self_attn\.[qk]_proj\.weight$")
+# Mixture of experts: a token's output moves with its routing weights, so rounding in the router
+# logits reaches the logits multiplied by the gap between expert outputs. At MATRIX_GAIN for
+# both, HF's own float32 logits were 2.9e-4 from its float64 ones; these gains bring that to ~5e-5.
+ROUTER_GAIN = 0.5
+EXPERT_GAIN = 2.0
 BIAS_STD = 0.5  # q/k/v biases (Qwen2): large enough that a model ignoring them fails the HF checks
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-tiny.json"
@@ -212,6 +217,10 @@ def random_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
             tensor = 1.0 + NORM_NOISE * noise
         elif name.endswith(".bias"):
             tensor = BIAS_STD * noise
+        elif name.endswith("mlp.gate.weight"):
+            tensor = noise * (ROUTER_GAIN / math.sqrt(dims[1]))
+        elif ".experts." in name:
+            tensor = noise * (EXPERT_GAIN / math.sqrt(dims[1]))
         elif not shape.qk_norm and QK_PROJ.search(name):
             tensor = noise * (QK_GAIN / math.sqrt(dims[1]))
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
