@@ -7,6 +7,7 @@ Damage is always done to a copy in tmp_path: fixture folders are shared by the w
 
 from __future__ import annotations
 
+import math
 import pickle
 import shutil
 from collections.abc import Iterator
@@ -276,3 +277,20 @@ def test_dummy_weights_are_seeded_and_usable() -> None:
     assert torch.isfinite(a).all()
     assert torch.equal(a, b), "the same seed gave different dummy weights"
     assert not torch.equal(a, c), "different seeds gave the same dummy weights"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config_path", sorted(CONFIGS_DIR.glob("*.json")), ids=lambda p: p.stem)
+def test_every_shipped_config_builds_with_the_checkpoint_parameter_count(config_path: Path) -> None:
+    # On the meta device: the shape of Qwen3-30B-A3B without its 61 GB.
+    import json
+
+    from minisgl_mp.models.registry import model_class
+    from minisgl_mp.tools.make_model import ModelShape
+
+    cfg = ModelConfig.from_file(config_path)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    ours = sum(p.numel() for p in model.parameters())
+    shapes = ModelShape.from_config(json.loads(config_path.read_text()))
+    assert ours == sum(math.prod(dims) for dims in shapes.tensor_shapes().values())

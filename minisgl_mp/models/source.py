@@ -28,7 +28,9 @@ def _models_dirs() -> list[Path]:
 
 
 def _hub_ids(model: str) -> list[str]:
-    return [model] if "/" in model else [f"Qwen/{model}"]
+    if "/" in model:
+        return [model]
+    return [f"meta-llama/{model}"] if model.lower().startswith("llama-") else [f"Qwen/{model}"]
 
 
 def _from_hf_cache(repo_id: str) -> Path | None:
