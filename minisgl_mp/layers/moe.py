@@ -44,8 +44,11 @@ class FusedExperts(nn.Module):
                 h = silu_and_mul(F.linear(xs[rows], self.gate_up_proj[expert]))
                 out[rows] = F.linear(h, self.down_proj[expert])
                 start += n
-        out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype))
-        return torch.zeros_like(x).index_add_(0, token_of_pair, out)
+        # Back to (token, k) order, then the weighted sum over k: a gather (deterministic, and
+        # cheap on the CPU where index_add_ with repeated indices is not).
+        pairs = out.index_select(0, torch.argsort(order))
+        weighted = pairs.view(*topk_ids.shape, -1) * topk_weights.unsqueeze(-1).to(out.dtype)
+        return weighted.sum(dim=1)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
