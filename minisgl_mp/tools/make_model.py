@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from minisgl_mp.models.config import ModelConfig
+from minisgl_mp.utils.files import replace_dir
 from minisgl_mp.tools.make_tokenizer import (
     TOKENIZER_FILES, check_special_ids, generation_config, tokenizer_config, train_tokenizer,
 )
@@ -322,18 +322,6 @@ def build_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
-
-
-def replace_dir(staging: Path, out: Path) -> None:
-    # NOTE: a directory rename cannot replace a non-empty directory, so an old build is moved
-    # aside first; between the two renames `out` is briefly absent, never half-written.
-    if out.exists():
-        retired = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        out.rename(retired)
-        staging.rename(out)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(out)
 
 
 def build_info(seed: int, shards: int) -> dict[str, Any]:
