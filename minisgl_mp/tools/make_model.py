@@ -286,7 +286,8 @@ def build_checkpoint(
     """Writes a complete checkpoint to out_dir (replacing one already there) and returns its path.
 
     tokenizer_dir: a folder holding a tokenizer this builder wrote before (e.g. another
-    checkpoint); its files are copied instead of training the tokenizer again.
+    checkpoint) or Qwen's (tools/qwen_tokenizer); its files are copied instead of training the
+    tokenizer again.
     """
     shape = ModelShape.from_config(config)
     if tokenizer_dir is None:
@@ -310,7 +311,13 @@ def build_checkpoint(
             for name in TOKENIZER_FILES:
                 shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
         max_len = int(config.get("max_position_embeddings", 4096))
-        write_json(staging / "tokenizer_config.json", tokenizer_config(tokenizer, max_len))
+        source_config = None if tokenizer_dir is None else Path(tokenizer_dir) / "tokenizer_config.json"
+        if source_config is not None and source_config.is_file():
+            # The reused tokenizer's own added tokens and chat template (e.g. Qwen's real one).
+            tok_config = json.loads(source_config.read_text(encoding="utf-8")) | {"model_max_length": max_len}
+        else:
+            tok_config = tokenizer_config(tokenizer, max_len)
+        write_json(staging / "tokenizer_config.json", tok_config)
         write_weights(weights, staging, shards)
         # Kept out of the safetensors header: safetensors writes its metadata in hash order,
         # which would make two identical builds differ byte-wise.
