@@ -294,3 +294,21 @@ def test_every_shipped_config_builds_with_the_checkpoint_parameter_count(config_
     ours = sum(p.numel() for p in model.parameters())
     shapes = ModelShape.from_config(json.loads(config_path.read_text()))
     assert ours == sum(math.prod(dims) for dims in shapes.tensor_shapes().values())
+
+
+@pytest.mark.timeout(60)
+def test_experts_stacked_in_one_tensor_load_like_per_expert_ones(make_checkpoint: MakeCheckpoint,
+                                                                  tmp_path: Path) -> None:
+    per_expert = make_checkpoint(SMALL, arch="qwen3_moe")
+    stacked = _copy(per_expert, tmp_path / "model")
+
+    def stack(t: dict[str, torch.Tensor]) -> None:
+        p = "model.layers.0.mlp.experts."
+        n = sum(1 for k in t if k.startswith(p) and k.endswith("down_proj.weight"))
+        t[p + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}{e}.gate_proj.weight"),
+                                                        t.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)])
+        t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+
+    _rewrite(stacked / WEIGHTS, stack)
+    a, b = _load(per_expert).state_dict(), _load(stacked).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

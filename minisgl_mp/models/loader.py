@@ -140,10 +140,13 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
                     )
                 if not torch.isfinite(tensor).all():
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} contains NaN or inf")
-                key = target.key
-                if key in loaded:
+                # A whole stacked tensor (transformers 5 can save experts as one [E, 2I, H]
+                # tensor in our layout) fills every slice of it at once.
+                keys = ([t.key for t in _targets_of(target.param, params[target.param], cfg)]
+                        if target.part is None and target.expert is None else [target.key])
+                if any(key in loaded for key in keys):
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} is given twice")
-                loaded[key] = ckpt_name
+                loaded.update(dict.fromkeys(keys, ckpt_name))
                 dest.copy_(tensor)
     bar.close()
 
@@ -171,15 +174,16 @@ def _destination(param: torch.Tensor, target: _Target, cfg: ModelConfig) -> torc
     raise WeightLoadError(f"unknown part {target.part!r} of {target.param}")
 
 
+def _targets_of(name: str, p: torch.Tensor, cfg: ModelConfig) -> list[_Target]:
+    """Every slice of parameter `name` that a checkpoint fills separately."""
+    experts: list[int | None] = list(range(p.shape[0])) if _is_experts(name) else [None]
+    parts: list[str | None] = [part for part, _ in _parts(name, p.shape, cfg)] or [None]
+    return [_Target(name, part, e) for e in experts for part in parts]
+
+
 def _required_targets(params: dict[str, torch.Tensor], cfg: ModelConfig) -> list[_Target]:
-    targets = []
-    for name, p in params.items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        experts: list[int | None] = list(range(p.shape[0])) if _is_experts(name) else [None]
-        parts: list[str | None] = [part for part, _ in _parts(name, p.shape, cfg)] or [None]
-        targets.extend(_Target(name, part, e) for e in experts for part in parts)
-    return targets
+    return [t for name, p in params.items() if not (cfg.tie_word_embeddings and name == "lm_head.weight")
+            for t in _targets_of(name, p, cfg)]
 
 
 def _checkpoint_name(t: _Target) -> str:
