@@ -12,8 +12,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO_ROOT / "configs" / "models" / "qwen3-tiny.json"
 TINY_MODEL_DIR = REPO_ROOT / "models" / "qwen3-tiny"
 
-# make_checkpoint(overrides=None, *, seed=0, shards=1) -> Path of a checkpoint built from
-# qwen3-tiny's config updated with `overrides`, reusing the default model's tokenizer. Equal
+# make_checkpoint(overrides=None, *, seed=0, shards=1, arch="qwen3") -> Path of a checkpoint built
+# from qwen3-tiny's config as architecture `arch` (make_model's --arch), updated with `overrides`,
+# reusing the default model's tokenizer. Equal
 # arguments return the same folder for the whole session, so tests must not modify it.
 MakeCheckpoint = Callable[..., Path]
 
@@ -67,12 +68,13 @@ def tokenizer_dir(tiny_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> MakeCheckpoint:
-    from minisgl_mp.tools.make_model import build_checkpoint
+    from minisgl_mp.tools.make_model import arch_config, build_checkpoint
 
     built: dict[str, Path] = {}
 
-    def make(overrides: dict[str, Any] | None = None, *, seed: int = 0, shards: int = 1) -> Path:
-        config = read_tiny_config() | (overrides or {})
+    def make(overrides: dict[str, Any] | None = None, *, seed: int = 0, shards: int = 1,
+             arch: str = "qwen3") -> Path:
+        config = arch_config(read_tiny_config(), arch) | (overrides or {})
         key = json.dumps([config, seed, shards], sort_keys=True)
         if key not in built:
             out = tmp_path_factory.mktemp("checkpoint") / "model"

@@ -47,10 +47,16 @@ def torch_threads(n: int = TEST_THREADS) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=16)
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """transformers' Qwen3ForCausalLM from the same checkpoint folder, in eval mode."""
-    from transformers import Qwen3ForCausalLM
+    """transformers' model for the checkpoint's architecture (Qwen3ForCausalLM, LlamaForCausalLM,
+    ...) from the same folder, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    extra = {}
+    if getattr(AutoConfig.from_pretrained(str(model_dir)), "num_experts", 0):
+        # transformers' default for experts, torch's grouped_mm, takes no float64; its eager
+        # loop is the reference semantics anyway.
+        extra["experts_implementation"] = "eager"
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **extra).eval()
 
 
 @torch.no_grad()

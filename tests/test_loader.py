@@ -7,6 +7,7 @@ Damage is always done to a copy in tmp_path: fixture folders are shared by the w
 
 from __future__ import annotations
 
+import math
 import pickle
 import shutil
 from collections.abc import Iterator
@@ -138,6 +139,29 @@ def test_missing_tensor_is_named(small_copy: Path, name: str) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("arch, name", [
+    ("qwen3_moe", "model.layers.0.mlp.experts.5.up_proj.weight"),  # one part of one expert
+    ("qwen3_moe", "model.layers.0.mlp.experts.7.down_proj.weight"),
+    ("qwen3_moe", "model.layers.0.mlp.gate.weight"),  # the router
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
+])
+def test_missing_tensor_of_other_architectures_is_named(make_checkpoint: MakeCheckpoint, tmp_path: Path,
+                                                        arch: str, name: str) -> None:
+    model_dir = _copy(make_checkpoint(SMALL, arch=arch), tmp_path / "model")
+    _rewrite(model_dir / WEIGHTS, lambda t: t.pop(name))
+    msg = _load_error(model_dir)
+    assert name in msg and "missing" in msg
+
+
+@pytest.mark.timeout(60)
+def test_expert_past_the_configured_count_is_refused(make_checkpoint: MakeCheckpoint, tmp_path: Path) -> None:
+    model_dir = _copy(make_checkpoint(SMALL, arch="qwen3_moe"), tmp_path / "model")
+    name = "model.layers.0.mlp.experts.8.down_proj.weight"  # experts 0-7
+    _rewrite(model_dir / WEIGHTS, lambda t: t.__setitem__(name, t["model.layers.0.mlp.experts.0.down_proj.weight"].clone()))
+    assert "expert 8" in _load_error(model_dir)
+
+
+@pytest.mark.timeout(60)
 def test_untied_checkpoint_without_lm_head_is_refused(make_checkpoint: MakeCheckpoint, tmp_path: Path) -> None:
     model_dir = _copy(make_checkpoint({**SMALL, "tie_word_embeddings": False}), tmp_path / "model")
     _rewrite(model_dir / WEIGHTS, lambda t: t.pop("lm_head.weight"))
@@ -253,3 +277,38 @@ def test_dummy_weights_are_seeded_and_usable() -> None:
     assert torch.isfinite(a).all()
     assert torch.equal(a, b), "the same seed gave different dummy weights"
     assert not torch.equal(a, c), "different seeds gave the same dummy weights"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config_path", sorted(CONFIGS_DIR.glob("*.json")), ids=lambda p: p.stem)
+def test_every_shipped_config_builds_with_the_checkpoint_parameter_count(config_path: Path) -> None:
+    # On the meta device: the shape of Qwen3-30B-A3B without its 61 GB.
+    import json
+
+    from minisgl_mp.models.registry import model_class
+    from minisgl_mp.tools.make_model import ModelShape
+
+    cfg = ModelConfig.from_file(config_path)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    ours = sum(p.numel() for p in model.parameters())
+    shapes = ModelShape.from_config(json.loads(config_path.read_text()))
+    assert ours == sum(math.prod(dims) for dims in shapes.tensor_shapes().values())
+
+
+@pytest.mark.timeout(60)
+def test_experts_stacked_in_one_tensor_load_like_per_expert_ones(make_checkpoint: MakeCheckpoint,
+                                                                  tmp_path: Path) -> None:
+    per_expert = make_checkpoint(SMALL, arch="qwen3_moe")
+    stacked = _copy(per_expert, tmp_path / "model")
+
+    def stack(t: dict[str, torch.Tensor]) -> None:
+        p = "model.layers.0.mlp.experts."
+        n = sum(1 for k in t if k.startswith(p) and k.endswith("down_proj.weight"))
+        t[p + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}{e}.gate_proj.weight"),
+                                                        t.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)])
+        t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+
+    _rewrite(stacked / WEIGHTS, stack)
+    a, b = _load(per_expert).state_dict(), _load(stacked).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -124,3 +124,29 @@ def test_resolve_device() -> None:
 def test_cuda_without_a_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="--device cuda:0: CUDA is not available"):
         resolve_device("cuda:0")
+
+
+@pytest.mark.parametrize("step, mlp_only", [(1, []), (2, []), (1, [0, 3]), (3, [2])])
+def test_sparse_layers_follow_transformers(tiny_config: dict[str, Any], step: int, mlp_only: list[int]) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from minisgl_mp.tools.make_model import arch_config
+
+    raw = arch_config(tiny_config, "qwen3_moe") | {"num_hidden_layers": 6, "decoder_sparse_step": step,
+                                                   "mlp_only_layers": mlp_only}
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 2, True)
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**raw))
+    hf_sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i in range(6) if cfg.is_sparse_layer(i)] == hf_sparse
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"use_sliding_window": True}, "sliding-window"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"num_experts": 8, "num_experts_per_tok": 9, "moe_intermediate_size": 16}, "num_experts_per_tok"),
+])
+def test_unsupported_or_inconsistent_configs_are_refused(tiny_config: dict[str, Any], bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(tiny_config | bad)

@@ -1,4 +1,4 @@
-"""Our Qwen3 and its paged attention against transformers' Qwen3ForCausalLM on the CPU.
+"""Our models (Qwen3, Llama, Qwen2, Qwen3-MoE) and paged attention against transformers' on the CPU.
 
 Each model runs through the same path the engine uses (`PagedModel`: model + KV pool + page
 table + torch attention backend), with every request's KV slots scattered over the pool, so
@@ -38,12 +38,22 @@ F64_ATOL = 1e-5
 PROMPT_LENS = (1, 7, 33, 90)
 VOCAB = 8192  # qwen3-tiny's, which every config here keeps
 
-# Name -> overrides of configs/models/qwen3-tiny.json (tied, 4 query heads, 2 KV heads, head_dim 64).
-MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    "tied-mha-d64": {"tie_word_embeddings": True, "num_key_value_heads": 4, "head_dim": 64},
-    "untied-mqa-d128": {"tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 128},
-    "untied-mha-d128": {"tie_word_embeddings": False, "num_key_value_heads": 4, "head_dim": 128},
-    "tiny-default": {},
+LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+# Name -> (make_model --arch, overrides of configs/models/qwen3-tiny.json: tied, 4 query heads,
+# 2 KV heads, head_dim 64).
+MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tied-mha-d64": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 4, "head_dim": 64}),
+    "untied-mqa-d128": ("qwen3", {"tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 128}),
+    "untied-mha-d128": ("qwen3", {"tie_word_embeddings": False, "num_key_value_heads": 4, "head_dim": 128}),
+    "tiny-default": ("qwen3", {}),
+    # Llama 3.2-1B's kind: tied, grouped-query, llama3 rope scaling (its original length below
+    # the longest prompt, so the scaled frequencies matter).
+    "llama-tied-gqa": ("llama", {"tie_word_embeddings": True, **LLAMA3_ROPE}),
+    "llama-untied-mqa": ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 1}),
+    "qwen2-untied-bias": ("qwen2", {"tie_word_embeddings": False}),
+    # 8 experts, top 2, renormalised; layer 2 of 4 dense (mlp_only_layers).
+    "qwen3_moe": ("qwen3_moe", {"mlp_only_layers": [2]}),
 }
 ROPE_CONFIGS: dict[str, dict[str, Any]] = {
     "linear": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
@@ -99,10 +109,10 @@ _cases: dict[str, _Case] = {}
 
 
 def _case(make_checkpoint: MakeCheckpoint, overrides: dict[str, Any],
-          dtype: torch.dtype = torch.float32) -> _Case:
-    key = repr((sorted(overrides.items()), dtype))
+          dtype: torch.dtype = torch.float32, arch: str = "qwen3") -> _Case:
+    key = repr((arch, sorted(overrides.items()), dtype))
     if key not in _cases:
-        _cases[key] = _Case(make_checkpoint(overrides), dtype)
+        _cases[key] = _Case(make_checkpoint(overrides, arch=arch), dtype)
     case = _cases[key]
     case.ours.reset()
     return case
@@ -112,7 +122,8 @@ def _case(make_checkpoint: MakeCheckpoint, overrides: dict[str, Any],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request: pytest.FixtureRequest, make_checkpoint: MakeCheckpoint) -> _Case:
     name, dtype = request.param
-    return _case(make_checkpoint, MODEL_CONFIGS[name], getattr(torch, dtype))
+    arch, overrides = MODEL_CONFIGS[name]
+    return _case(make_checkpoint, overrides, getattr(torch, dtype), arch)
 
 
 @pytest.mark.timeout(120)

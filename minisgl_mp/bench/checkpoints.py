@@ -66,14 +66,19 @@ def prepare_model(model: str, load_format: str | None, checkpoint_root: Path, se
     if source.weights_dir is not None:
         return BenchModel(model, load_format, source.config_path, source.weights_dir, tok,
                           f"checkpoint {source.weights_dir}, loaded by both")
-    tokenizer_dir = default_tokenizer_dir()
+    # The config's own tokenizer when there is one (Qwen's for Qwen configs), so the benchmark
+    # tokenizes as the real model does.
+    tokenizer_dir = tok if tok is not None and (tok / "tokenizer.json").exists() else default_tokenizer_dir()
     if not write or tokenizer_dir is None:
         why = (" (--no-write-checkpoint)" if not write
                else " (no default tokenizer to build a checkpoint with: run `make model`)")
         return BenchModel(model, "dummy", source.config_path, None, tok,
                           f"engine: dummy weights; baseline: other random weights of the same shape{why}")
     config = json.loads(source.config_path.read_text(encoding="utf-8")) | _special_ids(tokenizer_dir)
-    out = checkpoint_root / f"{Path(model).name}-seed{seed}"
+    # Named by tokenizer too: a checkpoint written before Qwen configs had their own tokenizer
+    # must not be taken for one with it.
+    tok_tag = "" if tokenizer_dir == default_tokenizer_dir() else f"-{tokenizer_dir.name}"
+    out = checkpoint_root / f"{Path(model).name}-seed{seed}{tok_tag}"
     if not checkpoint_is_current(out, config, seed=seed):
         logger.info("writing a random checkpoint of %s to %s (once)", source.config_path.name, out)
         print(f"writing a random {Path(model).name} checkpoint to {out} (reused by later runs)", flush=True)

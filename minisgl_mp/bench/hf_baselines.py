@@ -17,19 +17,20 @@ from minisgl_mp.bench.checkpoints import BenchModel
 
 
 def load_hf_model(model: BenchModel, seed: int, device: str = "cpu", progress: bool = True) -> Any:
-    """float32 transformers Qwen3ForCausalLM: the engine's checkpoint when there is one, else
-    random weights of the config's shape."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """float32 transformers model of the config's architecture (Qwen3ForCausalLM, LlamaForCausalLM,
+    ...): the engine's checkpoint when there is one, else random weights of the config's shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if not progress:
         hf_logging.disable_progress_bar()
 
     if model.hf_weights_dir is not None:
-        hf = Qwen3ForCausalLM.from_pretrained(str(model.hf_weights_dir), dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(str(model.hf_weights_dir), dtype=torch.float32)
     else:
         torch.manual_seed(seed)
-        hf = Qwen3ForCausalLM(Qwen3Config.from_json_file(str(model.config_path))).to(torch.float32)
+        config = AutoConfig.from_pretrained(str(model.config_path))
+        hf = AutoModelForCausalLM.from_config(config).to(torch.float32)
     return hf.to(device).eval()
 
 

@@ -42,17 +42,35 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hf_dtype: str | None = None
+    # Mixture of experts (Qwen3-MoE); num_experts 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"model config: num_experts_per_tok must be in [1, num_experts="
+                                 f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("model config: moe_intermediate_size and decoder_sparse_step must be positive")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` routes to experts (transformers' Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -83,6 +101,10 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if cfg.get("use_sliding_window"):
+            raise ValueError("model config: sliding-window attention (use_sliding_window) is not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("model config: MLP biases (mlp_bias) are not supported")
         return cls(
             architecture=archs[0],
             model_type=cfg.get("model_type", "qwen3"),
@@ -101,6 +123,12 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             hf_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            num_experts=int(cfg.get("num_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
         )
 
     @classmethod

@@ -1,7 +1,8 @@
 """Loads Hugging Face safetensors checkpoints into our models.
 
 Checkpoint names are mapped to our parameter names here; separate q/k/v and gate/up tensors
-are copied into the fused projections. Every parameter (and every fused part of one) must be
+are copied into the fused projections, and a mixture-of-experts layer's per-expert tensors
+(`mlp.experts.<e>.gate_proj.weight`, ...) into its stacked expert weights. Every parameter (and every fused part of one) must be
 filled exactly once, or loading fails with an error that names the tensor and the file.
 Pickle-based `.bin` checkpoints are refused: loading them can run code.
 """
@@ -27,31 +28,49 @@ class WeightLoadError(RuntimeError):
 @dataclass(frozen=True)
 class _Target:
     param: str  # our parameter name
-    shard: str | None  # which part of a fused parameter, or None for the whole of it
+    part: str | None = None  # which part of a fused parameter (q, k, v, gate, up), or None
+    expert: int | None = None  # which expert of a stacked expert parameter, or None
+
+    @property
+    def key(self) -> str:
+        """Our name plus the slice it fills: each key must be filled exactly once."""
+        return self.param + (f":{self.expert}" if self.expert is not None else "") + (
+            f":{self.part}" if self.part else "")
 
 
-# (pattern on the checkpoint name with "model." stripped, our name, part of the fused tensor)
-_FUSED = [
-    (re.compile(r"(layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias)$"), r"\1qkv_proj.\3", 2),
-    (re.compile(r"(layers\.\d+\.mlp\.)(gate|up)_proj\.weight$"), r"\1gate_up_proj.weight", 2),
+# (pattern on the checkpoint name with "model." stripped, our name, group of the fused part,
+# group of the expert index). Expert tensors come first: their names also end in *_proj.weight.
+_RULES = [
+    (re.compile(r"(layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up)_proj\.weight$"), r"\1gate_up_proj", 3, 2),
+    (re.compile(r"(layers\.\d+\.mlp\.experts\.)(\d+)\.down_proj\.weight$"), r"\1down_proj", None, 2),
+    (re.compile(r"(layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias)$"), r"\1qkv_proj.\3", 2, None),
+    (re.compile(r"(layers\.\d+\.mlp\.)(gate|up)_proj\.weight$"), r"\1gate_up_proj.weight", 2, None),
 ]
 # Checkpoint tensors that carry nothing we need.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def _fused_sizes(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
-    return {
-        "qkv_proj": [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)],
-        "gate_up_proj": [("gate", cfg.intermediate_size), ("up", cfg.intermediate_size)],
-    }
+def _is_experts(param: str) -> bool:
+    return ".experts." in param
+
+
+def _parts(param: str, shape: torch.Size, cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The fused parts of a parameter along its output rows, in order; [] when not fused."""
+    if ".qkv_proj." in param:
+        return [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
+    if param.endswith("gate_up_proj.weight") or param.endswith("experts.gate_up_proj"):
+        half = shape[-2] // 2  # [2I, H], or [E, 2I, H] for experts
+        return [("gate", half), ("up", half)]
+    return []
 
 
 def _map_name(ckpt_name: str) -> _Target | None:
     name = ckpt_name[len("model."):] if ckpt_name.startswith("model.") else ckpt_name
-    for pattern, repl, group in _FUSED:
+    for pattern, repl, part_group, expert_group in _RULES:
         m = pattern.search(name)
         if m:
-            return _Target(pattern.sub(repl, name), m.group(group))
+            return _Target(pattern.sub(repl, name), m.group(part_group) if part_group else None,
+                           int(m.group(expert_group)) if expert_group else None)
     return _Target(name, None)
 
 
@@ -87,9 +106,8 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    fused = _fused_sizes(cfg)
     files = checkpoint_files(model_dir)
-    loaded: dict[str, str] = {}  # our name (with ":part" for fused parts) -> checkpoint name
+    loaded: dict[str, str] = {}  # _Target.key -> checkpoint name
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
@@ -114,7 +132,7 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
                     tensor = f.get_tensor(ckpt_name)
                 except Exception as e:
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} cannot be read: {e}") from e
-                dest = _destination(params[target.param], target, fused)
+                dest = _destination(params[target.param], target, cfg)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise WeightLoadError(
                         f"tensor {ckpt_name!r} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -122,14 +140,17 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
                     )
                 if not torch.isfinite(tensor).all():
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} contains NaN or inf")
-                key = target.param + (f":{target.shard}" if target.shard else "")
-                if key in loaded:
+                # A whole stacked tensor (transformers 5 can save experts as one [E, 2I, H]
+                # tensor in our layout) fills every slice of it at once.
+                keys = ([t.key for t in _targets_of(target.param, params[target.param], cfg)]
+                        if target.part is None and target.expert is None else [target.key])
+                if any(key in loaded for key in keys):
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} is given twice")
-                loaded[key] = ckpt_name
+                loaded.update(dict.fromkeys(keys, ckpt_name))
                 dest.copy_(tensor)
     bar.close()
 
-    missing = [_ckpt_name_of(k) for k in _required_keys(params, fused, cfg) if k not in loaded]
+    missing = [_checkpoint_name(t) for t in _required_targets(params, cfg) if t.key not in loaded]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightLoadError(
@@ -137,37 +158,43 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
         )
 
 
-def _destination(param: torch.Tensor, target: _Target, fused: dict) -> torch.Tensor:
-    if target.shard is None:
-        return param.data
-    kind = target.param.split(".")[-2]
+def _destination(param: torch.Tensor, target: _Target, cfg: ModelConfig) -> torch.Tensor:
+    dest = param.data
+    if target.expert is not None:
+        if not _is_experts(target.param) or target.expert >= dest.shape[0]:
+            raise WeightLoadError(f"expert {target.expert} of {target.param} is past the model's experts")
+        dest = dest[target.expert]
+    if target.part is None:
+        return dest
     offset = 0
-    for part, size in fused[kind]:
-        if part == target.shard:
-            return param.data.narrow(0, offset, size)
+    for part, size in _parts(target.param, param.shape, cfg):
+        if part == target.part:
+            return dest.narrow(0, offset, size)
         offset += size
-    raise WeightLoadError(f"unknown part {target.shard!r} of {target.param}")
+    raise WeightLoadError(f"unknown part {target.part!r} of {target.param}")
 
 
-def _required_keys(params: dict[str, torch.Tensor], fused: dict, cfg: ModelConfig) -> list[str]:
-    keys = []
-    for name in params:
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        kind = name.split(".")[-2] if "." in name else ""
-        if kind in fused:
-            keys.extend(f"{name}:{part}" for part, _ in fused[kind])
-        else:
-            keys.append(name)
-    return keys
+def _targets_of(name: str, p: torch.Tensor, cfg: ModelConfig) -> list[_Target]:
+    """Every slice of parameter `name` that a checkpoint fills separately."""
+    experts: list[int | None] = list(range(p.shape[0])) if _is_experts(name) else [None]
+    parts: list[str | None] = [part for part, _ in _parts(name, p.shape, cfg)] or [None]
+    return [_Target(name, part, e) for e in experts for part in parts]
 
 
-def _ckpt_name_of(key: str) -> str:
-    """Our parameter key back to the checkpoint's name, for error messages."""
-    name, _, part = key.partition(":")
-    if part:
+def _required_targets(params: dict[str, torch.Tensor], cfg: ModelConfig) -> list[_Target]:
+    return [t for name, p in params.items() if not (cfg.tie_word_embeddings and name == "lm_head.weight")
+            for t in _targets_of(name, p, cfg)]
+
+
+def _checkpoint_name(t: _Target) -> str:
+    """The checkpoint's name for one of our targets, for error messages."""
+    name = t.param
+    if t.expert is not None:  # layers.0.mlp.experts.gate_up_proj -> layers.0.mlp.experts.3.gate_proj.weight
+        prefix, _, kind = name.rpartition(".")
+        name = f"{prefix}.{t.expert}.{t.part + '_proj' if t.part else kind}.weight"
+    elif t.part:
         fused = "qkv_proj" if "qkv_proj" in name else "gate_up_proj"
-        name = name.replace(fused, f"{part}_proj")
+        name = name.replace(fused, f"{t.part}_proj")
     return name if name.startswith("lm_head") else f"model.{name}"
 
 

@@ -10,11 +10,17 @@ from torch import nn
 
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.loader import init_dummy_weights, load_weights
+from minisgl_mp.models.llama import LlamaForCausalLM
+from minisgl_mp.models.qwen2 import Qwen2ForCausalLM
 from minisgl_mp.models.qwen3 import Qwen3ForCausalLM
+from minisgl_mp.models.qwen3_moe import Qwen3MoeForCausalLM
 from minisgl_mp.models.source import ModelSource
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -28,7 +28,9 @@ def _models_dirs() -> list[Path]:
 
 
 def _hub_ids(model: str) -> list[str]:
-    return [model] if "/" in model else [f"Qwen/{model}"]
+    if "/" in model:
+        return [model]
+    return [f"meta-llama/{model}"] if model.lower().startswith("llama-") else [f"Qwen/{model}"]
 
 
 def _from_hf_cache(repo_id: str) -> Path | None:
@@ -47,6 +49,24 @@ def default_tokenizer_dir() -> Path | None:
         if (d / "qwen3-tiny" / "tokenizer.json").exists():
             return d / "qwen3-tiny"
     return None
+
+
+# Configs whose checkpoints ship Qwen's tokenizer (151,643 BPE tokens and the added ones after).
+_QWEN_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+_QWEN_VOCAB_MIN = 151669
+
+
+def dummy_tokenizer_dir(config_path: Path) -> Path | None:
+    """The tokenizer for a dummy-weight model from configs/models/: Qwen's real one (built
+    offline on first use) for a Qwen config, else the generated default model's."""
+    import json
+
+    cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    if cfg.get("model_type") in _QWEN_MODEL_TYPES and int(cfg.get("vocab_size", 0)) >= _QWEN_VOCAB_MIN:
+        from minisgl_mp.tools.qwen_tokenizer import cached_tokenizer_dir
+
+        return cached_tokenizer_dir()
+    return default_tokenizer_dir()
 
 
 def resolve_model(model: str, load_format: str = "auto", tokenizer: str | None = None,
@@ -81,7 +101,7 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer: str | None =
     if load_format == "dummy":
         cfg = CONFIGS_DIR / f"{short}.json"
         if cfg.exists():
-            tok = Path(tokenizer) if tokenizer else default_tokenizer_dir()
+            tok = Path(tokenizer) if tokenizer else dummy_tokenizer_dir(cfg)
             return ModelSource(model, cfg, None, tok)
         tried.append(f"{cfg}: no such config")
 

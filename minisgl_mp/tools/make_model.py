@@ -1,11 +1,14 @@
-"""Builds a random Qwen3 checkpoint, offline and deterministic, in Hugging Face's layout.
+"""Builds a random checkpoint (Llama, Qwen2, Qwen3 or Qwen3-MoE), offline and deterministic, in
+Hugging Face's layout.
 
     python -m minisgl_mp.tools.make_model --config configs/models/qwen3-tiny.json \
         --out models/qwen3-tiny [--seed 0] [--shards 1]
+    python -m minisgl_mp.tools.make_model --arch llama --out models/llama-tiny   # qwen3-tiny's size
 
 The folder holds config.json, generation_config.json, model.safetensors (or HF-style shards
 plus model.safetensors.index.json) and a byte-level BPE tokenizer trained on text that ships
-with Python, so it loads like Qwen/Qwen3-0.6B through the same code path. It is built in a
+with Python, so it loads like Qwen/Qwen3-0.6B through the same code path. `--arch` turns the config into another
+architecture of the same size (for qwen3_moe: 8 experts, top 2, a quarter of the MLP width each). It is built in a
 temporary folder beside the target and renamed into place, so a half-written model is never
 visible under the target name.
 """
@@ -16,11 +19,11 @@ import argparse
 import hashlib
 import json
 import math
+import re
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from minisgl_mp.models.config import ModelConfig
+from minisgl_mp.utils.files import replace_dir
 from minisgl_mp.tools.make_tokenizer import (
     TOKENIZER_FILES, check_special_ids, generation_config, tokenizer_config, train_tokenizer,
 )
@@ -46,14 +51,55 @@ BUILDER_VERSION = "2"
 MATRIX_GAIN = 3.0
 LOGIT_STD = 6.0
 NORM_NOISE = 0.1  # norm weights are 1 + N(0, NORM_NOISE) so no two channels are identical
+# Without Qwen3's q/k norms, MATRIX_GAIN on q and k gives attention scores of std ~9: softmax so
+# sharp that float32 rounding alone (HF's own float32 against its float64) moves logits ~4e-4.
+# QK_GAIN gives q and k unit scale, as the norms do for Qwen3.
+QK_GAIN = 1.0
+QK_PROJ = re.compile(r"self_attn\.[qk]_proj\.weight$")
+# Mixture of experts: a token's output moves with its routing weights, so rounding in the router
+# logits reaches the logits multiplied by the gap between expert outputs. At MATRIX_GAIN for
+# both, HF's own float32 logits were 2.9e-4 from its float64 ones; these gains bring that to ~5e-5.
+ROUTER_GAIN = 0.5
+EXPERT_GAIN = 2.0
+BIAS_STD = 0.5  # q/k/v biases (Qwen2): large enough that a model ignoring them fails the HF checks
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-tiny.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class Qwen3Shape:
-    """The parts of a Qwen3 config.json that decide tensor names and shapes."""
+# --arch name -> (model_type, architectures[0]) of the Hugging Face config.
+ARCHS = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+# What --arch qwen3_moe adds to a dense config that has no experts of its own: 8 small experts,
+# top 2, every layer sparse, so tokens spread over several experts even in short tests.
+MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
 
+
+def arch_config(config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """`config` as a checkpoint of another architecture of the same size."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
+    model_type, architecture = ARCHS[arch]
+    out = config | {"model_type": model_type, "architectures": [architecture]}
+    if arch == "qwen3_moe":
+        moe = MOE_DEFAULTS | {"moe_intermediate_size": max(1, config["intermediate_size"] // 4)}
+        out = moe | out
+    else:
+        for key in [*MOE_DEFAULTS, "moe_intermediate_size"]:
+            out.pop(key, None)
+    return out
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a config.json that decide tensor names and shapes."""
+
+    arch: str
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -63,6 +109,10 @@ class Qwen3Shape:
     vocab_size: int
     tied: bool
     dtype: torch.dtype
+    attention_bias: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -76,14 +126,19 @@ class Qwen3Shape:
             )
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Qwen3Shape:
-        if config.get("model_type") != "qwen3" or config.get("architectures") != ["Qwen3ForCausalLM"]:
-            raise ValueError("config must have model_type 'qwen3' and architectures ['Qwen3ForCausalLM']")
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        by_type = {model_type: (arch, architecture) for arch, (model_type, architecture) in ARCHS.items()}
+        model_type = config.get("model_type")
+        if model_type not in by_type or config.get("architectures") != [by_type[model_type][1]]:
+            raise ValueError("config must have a model_type and architectures of: " + ", ".join(
+                f"{t} [{a}]" for t, (_, a) in sorted(by_type.items())))
         dtype_name = config.get("torch_dtype", config.get("dtype", "float32"))
         if dtype_name not in DTYPES:
             raise ValueError(f"unsupported torch_dtype {dtype_name!r}; expected one of {sorted(DTYPES)}")
         try:
+            cfg = ModelConfig.from_dict(config)
             return cls(
+                arch=by_type[model_type][0],
                 hidden_size=config["hidden_size"],
                 intermediate_size=config["intermediate_size"],
                 num_layers=config["num_hidden_layers"],
@@ -93,13 +148,23 @@ class Qwen3Shape:
                 vocab_size=config["vocab_size"],
                 tied=bool(config.get("tie_word_embeddings", False)),
                 dtype=DTYPES[dtype_name],
+                attention_bias=cfg.attention_bias,
+                num_experts=cfg.num_experts,
+                moe_intermediate_size=cfg.moe_intermediate_size,
+                sparse_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_sparse_layer(i)),
             )
         except KeyError as missing:
             raise ValueError(f"config lacks {missing}") from None
 
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in ("qwen3", "qwen3_moe")
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Hugging Face Qwen3ForCausalLM state-dict names -> shapes; Linear weights are [out, in]."""
+        """Hugging Face state-dict names (as checkpoints store them) -> shapes; Linear weights are [out, in]."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_bias = self.arch == "qwen2" or self.attention_bias
+        o_bias = self.arch != "qwen2" and self.attention_bias
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
@@ -109,20 +174,38 @@ class Qwen3Shape:
                 p + "self_attn.k_proj.weight": (kv, h),
                 p + "self_attn.v_proj.weight": (kv, h),
                 p + "self_attn.o_proj.weight": (h, q),
-                p + "self_attn.q_norm.weight": (self.head_dim,),
-                p + "self_attn.k_norm.weight": (self.head_dim,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
-                p + "mlp.up_proj.weight": (self.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate_size),
             }
+            if qkv_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)}  # fmt: skip
+            if o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (self.head_dim,),
+                           p + "self_attn.k_norm.weight": (self.head_dim,)}  # fmt: skip
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if i in self.sparse_layers:
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                inter = self.moe_intermediate_size
+                for e in range(self.num_experts):
+                    shapes |= {
+                        p + f"mlp.experts.{e}.gate_proj.weight": (inter, h),
+                        p + f"mlp.experts.{e}.up_proj.weight": (inter, h),
+                        p + f"mlp.experts.{e}.down_proj.weight": (h, inter),
+                    }
+            else:
+                shapes |= {
+                    p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                    p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                    p + "mlp.down_proj.weight": (h, self.intermediate_size),
+                }
         shapes["model.norm.weight"] = (h,)
         if not self.tied:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
 
-def random_weights(shape: Qwen3Shape, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     # Each tensor has its own generator seeded from (seed, name), so a tensor's values do not
     # depend on the other tensors: adding layers or sharding leaves the rest unchanged.
     weights = {}
@@ -132,6 +215,14 @@ def random_weights(shape: Qwen3Shape, seed: int) -> dict[str, torch.Tensor]:
         noise = torch.randn(dims, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
             tensor = 1.0 + NORM_NOISE * noise
+        elif name.endswith(".bias"):
+            tensor = BIAS_STD * noise
+        elif name.endswith("mlp.gate.weight"):
+            tensor = noise * (ROUTER_GAIN / math.sqrt(dims[1]))
+        elif ".experts." in name:
+            tensor = noise * (EXPERT_GAIN / math.sqrt(dims[1]))
+        elif not shape.qk_norm and QK_PROJ.search(name):
+            tensor = noise * (QK_GAIN / math.sqrt(dims[1]))
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             tensor = noise * (LOGIT_STD / math.sqrt(shape.hidden_size))
         else:
@@ -195,9 +286,10 @@ def build_checkpoint(
     """Writes a complete checkpoint to out_dir (replacing one already there) and returns its path.
 
     tokenizer_dir: a folder holding a tokenizer this builder wrote before (e.g. another
-    checkpoint); its files are copied instead of training the tokenizer again.
+    checkpoint) or Qwen's (tools/qwen_tokenizer); its files are copied instead of training the
+    tokenizer again.
     """
-    shape = Qwen3Shape.from_config(config)
+    shape = ModelShape.from_config(config)
     if tokenizer_dir is None:
         tokenizer = train_tokenizer()
     else:
@@ -219,7 +311,13 @@ def build_checkpoint(
             for name in TOKENIZER_FILES:
                 shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
         max_len = int(config.get("max_position_embeddings", 4096))
-        write_json(staging / "tokenizer_config.json", tokenizer_config(tokenizer, max_len))
+        source_config = None if tokenizer_dir is None else Path(tokenizer_dir) / "tokenizer_config.json"
+        if source_config is not None and source_config.is_file():
+            # The reused tokenizer's own added tokens and chat template (e.g. Qwen's real one).
+            tok_config = json.loads(source_config.read_text(encoding="utf-8")) | {"model_max_length": max_len}
+        else:
+            tok_config = tokenizer_config(tokenizer, max_len)
+        write_json(staging / "tokenizer_config.json", tok_config)
         write_weights(weights, staging, shards)
         # Kept out of the safetensors header: safetensors writes its metadata in hash order,
         # which would make two identical builds differ byte-wise.
@@ -231,18 +329,6 @@ def build_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
-
-
-def replace_dir(staging: Path, out: Path) -> None:
-    # NOTE: a directory rename cannot replace a non-empty directory, so an old build is moved
-    # aside first; between the two renames `out` is briefly absent, never half-written.
-    if out.exists():
-        retired = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        out.rename(retired)
-        staging.rename(out)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(out)
 
 
 def build_info(seed: int, shards: int) -> dict[str, Any]:
@@ -266,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", type=Path, required=True, help="a Qwen3 config.json")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a config.json (default: %(default)s)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default=None,
+                        help="build this architecture at the config's size (default: the config's own)")
     parser.add_argument("--out", type=Path, required=True, help="checkpoint folder to (re)write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1, help="safetensors files to split the weights into")
@@ -276,13 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     config = json.loads(args.config.read_text(encoding="utf-8"))
     try:
+        if args.arch is not None:
+            config = arch_config(config, args.arch)
         out = build_checkpoint(
             config, args.out, seed=args.seed, shards=args.shards, tokenizer_dir=args.tokenizer_dir
         )
     except ValueError as error:
         print(f"make_model: {error}", file=sys.stderr)
         return 2
-    params = sum(math.prod(dims) for dims in Qwen3Shape.from_config(config).tensor_shapes().values())
+    params = sum(math.prod(dims) for dims in ModelShape.from_config(config).tensor_shapes().values())
     size = sum(f.stat().st_size for f in out.iterdir())
     seconds = time.perf_counter() - start
     print(f"wrote {out}: {params / 1e6:.1f}M parameters, {size / 2**20:.1f} MiB, {seconds:.1f}s")
