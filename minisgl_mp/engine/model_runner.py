@@ -7,7 +7,7 @@ import logging
 import torch
 
 from minisgl_mp.attention.base import AttentionContext, BatchLayout
-from minisgl_mp.attention.torch_backend import TorchAttentionBackend
+from minisgl_mp.attention import registry
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.kvcache.pool import KVPool
@@ -51,10 +51,10 @@ class ModelRunner:
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
                            mc.head_dim, self.kv_dtype, device, prefault=config.cpu_prefault_kv)
         self.req_table = ReqTable(config.max_running_requests, context_len, device)
-        self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads,
-                                             mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel, dtype=dtype)
-        logger.info("attention: %s, KV cache %s", "C paged kernel for short runs + PyTorch SDPA"
-                    if self.backend.use_cpu_kernel else "PyTorch SDPA", str(self.kv_dtype).replace("torch.", ""))
+        self.attention_backend = registry.resolve_name(config.attention_backend, device, dtype, self.kv_dtype)
+        self.backend = registry.create_backend(self.attention_backend, self.pool, self.req_table, mc.num_heads,
+                                               mc.num_kv_heads, mc.head_dim, dtype)
+        logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
 
     @torch.inference_mode()
     def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
