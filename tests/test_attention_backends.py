@@ -148,3 +148,13 @@ def test_default_backend_and_unknown_names() -> None:
         registry.resolve_name("flashinfer", cpu, torch.float32, torch.float32)
     with pytest.raises(ValueError, match="unknown attention backend"):
         registry.resolve_name("nope", cpu, torch.float32, torch.float32)
+
+
+def test_flashinfer_page_lists_follow_the_table() -> None:
+    """The flashinfer backend's per-step index building (plain torch; the wrappers need a GPU)."""
+    from minisgl_mp.attention.flashinfer_backend import flat_kv_indices, indptr
+
+    table = torch.arange(40).view(4, 10)
+    got = flat_kv_indices(table, torch.tensor([2, 0, 3]), [3, 1, 4])
+    assert got.tolist() == [20, 21, 22, 0, 30, 31, 32, 33] and got.dtype == torch.int32
+    assert indptr([3, 1, 4]).tolist() == [0, 3, 4, 8]
