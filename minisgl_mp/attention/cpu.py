@@ -1,6 +1,6 @@
 """The C paged-attention kernel for the CPU (`--attention-backend cpu`, the default there).
 
-Decodes and extends of at most `KERNEL_MAX_QUERY` new tokens go to the kernel, which reads K/V
+Decodes and short extends (at most `KERNEL_MAX_QUERY` new tokens) go to the kernel, which reads K/V
 straight from the pool through the page table (no gathered copy); longer extends go to the
 `sdpa` backend, whose flash kernel blocks the query-key products and wins on long runs. The
 kernel takes a float32 model with a float32 or bfloat16 pool; `is_supported` says when it
@@ -21,8 +21,8 @@ from minisgl_mp.kvcache.req_table import ReqTable
 
 # Query runs up to this long go to the kernel: its cost grows with queries x keys without the
 # matrix-product blocking of SDPA's flash kernel. Set from the crossover measured against the
-# 4-D sdpa path (docs/benchmarks.md, "Attention backends").
-KERNEL_MAX_QUERY = 128
+# 4-D sdpa path (launch/bench_attention_crossover.py; docs/benchmarks.md, "Attention backends").
+KERNEL_MAX_QUERY = 16
 
 
 @dataclass(frozen=True)
