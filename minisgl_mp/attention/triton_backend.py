@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from minisgl_mp.attention.base import AttentionBackend, BatchLayout, ForwardMode
 from minisgl_mp.attention.sdpa import token_starts
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
+
+if TYPE_CHECKING:
+    from minisgl_mp.engine.cuda_graph import DecodeGraphInputs
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,11 @@ class TritonBackend(AttentionBackend):
             q_start=ints(token_starts(layout.extend_lens)), q_len=ints(layout.extend_lens),
             prefix_len=ints(layout.cached_lens), max_q_len=max(layout.extend_lens),
         )
+
+    def graph_metadata(self, inputs: DecodeGraphInputs, batch_size: int) -> TritonMetadata:
+        """Decode metadata as views of a CUDA graph's static buffers (engine/cuda_graph.py)."""
+        return TritonMetadata(inputs.out_loc[:batch_size], inputs.req_rows[:batch_size],
+                              inputs.seq_lens[:batch_size], decode=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 metadata: TritonMetadata) -> torch.Tensor:
