@@ -1,0 +1,31 @@
+"""launch/gpu_check.py's CPU smoke run: every check that is not CUDA-only runs at toy sizes and
+the JSON report says each passed (the CUDA-only parts, graph capture and replay, need a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_smoke_run_writes_a_passing_report(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu", "--quick", "--small-model",
+         str(tiny_model_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    checks = report["checks"]
+    assert {"greedy_vs_hf_small", "backends_vs_sdpa", "long_context", "throughput_eager",
+            "decode_steps_eager", "hf_generate_baseline", "overlap_schedule"} <= set(checks)
+    assert all(c["ok"] for name, c in checks.items() if name != "overlap_schedule")
+    assert checks["greedy_vs_hf_small"]["max_logit_gap"] <= checks["greedy_vs_hf_small"]["tolerance"]
+    assert "cpu" in checks["backends_vs_sdpa"]["backends"] or "sdpa" in checks["backends_vs_sdpa"]["backends"]
+    assert checks["throughput_eager"]["output_tokens"] > 0
+
