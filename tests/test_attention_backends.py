@@ -112,6 +112,7 @@ def test_cpu_backend_matches_sdpa(kv_dtype: torch.dtype) -> None:
 TRITON_CASES = [
     # (cached, extend, hq, hkv, d, page_size, kv dtype, model dtype)
     ((5, 17, 1, 63), (1, 1, 1, 1), 4, 2, 32, 1, torch.float32, torch.float32),  # ragged decode
+    ((1100, 3), (1, 1), 4, 2, 32, 16, torch.bfloat16, torch.float32),  # decode over 4 key splits
     ((0, 12, 0), (7, 20, 1), 8, 2, 64, 4, torch.float32, torch.float32),  # prefill, prefix hit, 1-token prompt
     ((30, 0, 40), (1, 19, 33), 6, 1, 40, 16, torch.bfloat16, torch.float32),  # mixed batch, bf16 KV, head_dim 40
     ((64, 3), (1, 1), 4, 4, 32, 64, torch.float16, torch.float16),  # MHA, float16, page size 64
@@ -158,3 +159,23 @@ def test_flashinfer_page_lists_follow_the_table() -> None:
     got = flat_kv_indices(table, torch.tensor([2, 0, 3]), [3, 1, 4])
     assert got.tolist() == [20, 21, 22, 0, 30, 31, 32, 33] and got.dtype == torch.int32
     assert indptr([3, 1, 4]).tolist() == [0, 3, 4, 8]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_decode_splits_agree_and_an_empty_row_is_zero() -> None:
+    """Flash-decoding splits combine to the unsplit result; a padding row (length 0) gives 0."""
+    from minisgl_mp.attention.triton_backend import MAX_DECODE_SPLITS, decode_splits
+    from minisgl_mp.kernels import triton_attention
+
+    assert [decode_splits(n) for n in (1, 512, 513, 3000, 10**6)] == [1, 1, 2, 8, MAX_DECODE_SPLITS]
+    pool, table, layout, rows = make_batch((200, 37, 0), (1, 1, 1), 2, 32, torch.float32)
+    q = qkv(3, 4, 2, 32, torch.float32)[0]
+    lens = torch.tensor([201, 38, 0], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, pool.k[0], pool.v[0], out, table.table, rows, lens, 32**-0.5,
+                                          num_splits=splits)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[1][2], torch.zeros_like(outs[1][2]))

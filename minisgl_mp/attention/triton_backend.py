@@ -32,11 +32,27 @@ class TritonMetadata:
     rows: torch.Tensor  # [B] page-table rows
     seq_lens: torch.Tensor  # [B] prefix + new tokens
     decode: bool  # every request has exactly one new token
+    decode_splits: int = 1  # decode: runs each request's keys are cut into
     # extend only (None for decode):
     q_start: torch.Tensor | None = None  # [B] first token row in the batch
     q_len: torch.Tensor | None = None  # [B]
     prefix_len: torch.Tensor | None = None  # [B]
     max_q_len: int = 1
+
+
+# Decode cuts each request's keys into up to this many runs attended in parallel (flash
+# decoding), about one per SPLIT_TOKENS keys of the longest request: a few long requests still
+# fill the GPU, and short ones are not cut into runs too small to pay for the combining pass.
+MAX_DECODE_SPLITS = 16
+SPLIT_TOKENS = 512
+
+
+def decode_splits(max_seq_len: int) -> int:
+    """A power of two (the kernel's tl.arange needs one) in [1, MAX_DECODE_SPLITS]."""
+    splits = 1
+    while splits < MAX_DECODE_SPLITS and splits * SPLIT_TOKENS < max_seq_len:
+        splits *= 2
+    return splits
 
 
 def is_available(device: torch.device) -> bool:
@@ -72,7 +88,8 @@ class TritonBackend(AttentionBackend):
         device = self.req_table.table.device
         seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int32, device=device)
         if layout.mode == ForwardMode.DECODE or all(n == 1 for n in layout.extend_lens):
-            return TritonMetadata(layout.out_loc, layout.req_slots, seq_lens, decode=True)
+            return TritonMetadata(layout.out_loc, layout.req_slots, seq_lens, decode=True,
+                                  decode_splits=decode_splits(max(layout.seq_lens)))
 
         def ints(values: object) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
@@ -85,8 +102,9 @@ class TritonBackend(AttentionBackend):
 
     def graph_metadata(self, inputs: DecodeGraphInputs, batch_size: int) -> TritonMetadata:
         """Decode metadata as views of a CUDA graph's static buffers (engine/cuda_graph.py)."""
-        return TritonMetadata(inputs.out_loc[:batch_size], inputs.req_rows[:batch_size],
-                              inputs.seq_lens[:batch_size], decode=True)
+        # A graph is replayed at any context length: split as for the longest a request can have.
+        return TritonMetadata(inputs.out_loc[:batch_size], inputs.req_rows[:batch_size], inputs.seq_lens[:batch_size],
+                              decode=True, decode_splits=decode_splits(self.req_table.max_context_len))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 metadata: TritonMetadata) -> torch.Tensor:
@@ -96,7 +114,7 @@ class TritonBackend(AttentionBackend):
         k_pool, v_pool, table = self.pool.k[layer_id], self.pool.v[layer_id], self.req_table.table
         if metadata.decode:
             self.kernels.decode_attention(q, k_pool, v_pool, out, table, metadata.rows, metadata.seq_lens,
-                                          self.scale)
+                                          self.scale, num_splits=metadata.decode_splits)
         else:
             self.kernels.extend_attention(q, k_pool, v_pool, out, table, metadata.rows, metadata.q_start,
                                           metadata.q_len, metadata.prefix_len, metadata.max_q_len, self.scale)
