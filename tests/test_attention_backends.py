@@ -179,3 +179,31 @@ def test_triton_decode_splits_agree_and_an_empty_row_is_zero() -> None:
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     assert torch.equal(outs[1][2], torch.zeros_like(outs[1][2]))
+
+
+ENGINE_PROMPTS = [list(range(5, 45)), list(range(5, 30)) + [7, 8], [9, 8, 7]]
+
+
+def engine_greedy(model_dir, backend: str) -> list[list[int]]:
+    """Greedy tokens of ENGINE_PROMPTS through the engine (chunked prefill, a prefix hit from
+    the radix cache, batched decode) with this attention backend."""
+    from minisgl_mp.llm import LLM
+    from minisgl_mp.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    llm = LLM(str(model_dir), attention_backend=backend, device=str(DEVICE), num_pages=256,
+              max_running_requests=4, max_prefill_tokens=32)
+    llm.generate(ENGINE_PROMPTS[:1], params)  # the second prompt then hits its prefix
+    return [o["token_ids"] for o in llm.generate(ENGINE_PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def default_backend_tokens(tiny_model_dir) -> list[list[int]]:
+    return engine_greedy(tiny_model_dir, "auto")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_engine_greedy_tokens_match_the_default_backend(backend: str, tiny_model_dir, default_backend_tokens) -> None:
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton not installed")
+    assert engine_greedy(tiny_model_dir, backend) == default_backend_tokens

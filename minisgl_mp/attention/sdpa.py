@@ -102,8 +102,10 @@ class SdpaBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout, requests: Sequence[int]) -> SdpaPlan:
         """The work for the requests at these batch indices (another backend may take the rest)."""
+        # Index tensors are built from host lengths; the page-table rows are only ever indexed
+        # with, never read back (on CUDA that would wait for the device).
         table, device = self.req_table.table, self.req_table.table.device
-        slots = layout.req_slots.tolist()
+        req_slots = layout.req_slots.to(device)
         starts = token_starts(layout.extend_lens)
         seq_lens = layout.seq_lens
         decode = [i for i in requests if layout.extend_lens[i] == 1 and layout.cached_lens[i] > 0]
@@ -113,7 +115,7 @@ class SdpaBackend(AttentionBackend):
         for group in self._decode_groups(sorted(decode, key=lambda i: seq_lens[i]), seq_lens):
             lens = [seq_lens[i] for i in group]
             max_len = lens[-1]
-            rows = torch.tensor([slots[i] for i in group], device=device)
+            rows = req_slots[torch.tensor(group, device=device)]
             kv_index = table[:, :max_len].index_select(0, rows)
             mask = None
             if lens[0] != max_len:
@@ -126,7 +128,7 @@ class SdpaBackend(AttentionBackend):
         seqs = []
         for i in extend:
             cached, n = layout.cached_lens[i], layout.extend_lens[i]
-            kv_index = table[slots[i], : cached + n] if cached > 0 else None
+            kv_index = table[:, : cached + n].index_select(0, req_slots[i : i + 1])[0] if cached > 0 else None
             seqs.append(ExtendSeq(starts[i], n, kv_index))
         return SdpaPlan(tuple(chunks), tuple(seqs))
 
