@@ -51,7 +51,10 @@ class ModelRunner:
         logger.info(plan.describe(config.page_size))
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
                            mc.head_dim, self.kv_dtype, device, prefault=config.cpu_prefault_kv)
-        self.req_table = ReqTable(config.max_running_requests, context_len, device)
+        # Whole pages: a request's last page may run past context_len when it is not a multiple
+        # of the page size, and the table must hold every slot of it.
+        table_width = -(-context_len // config.page_size) * config.page_size
+        self.req_table = ReqTable(config.max_running_requests, table_width, device)
         self.attention_backend = registry.resolve_name(config.attention_backend, device, dtype, self.kv_dtype)
         self.backend = registry.create_backend(self.attention_backend, self.pool, self.req_table, mc.num_heads,
                                                mc.num_kv_heads, mc.head_dim, dtype)
