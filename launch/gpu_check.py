@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     run("greedy_vs_hf_small", lambda: checks.greedy_vs_hf(small, args.device, dtype, sizes, tol, args.seed))
     if not args.quick:
         run("greedy_vs_hf_large", lambda: checks.greedy_vs_hf(large, args.device, dtype, sizes, tol, args.seed))
-    run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed))
+    run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed, args.quick))
 
     graph_modes = (False, True) if args.device.startswith("cuda") else (True,)  # no graphs on the CPU
     for disable_graph in graph_modes:
