@@ -7,7 +7,7 @@ kernels (flash / memory-efficient on CUDA, the flash kernel on the CPU) only for
 - Extends (prefill, prefill chunks, extends over a radix-cache hit) run one call per request.
   Without a cached prefix the new K/V are used as computed, with `is_causal`; over a prefix,
   the request's K/V are gathered from the pool (prefix and new tokens, which `forward` has just
-  stored) and masked lower-right causal: query i sits at position prefix + i.
+  stored) and masked lower-right causal: query i sits at position prefix + i (see `_lower_right`).
 - Decodes (one new token over a cached prefix) gather their K/V into a padded batch and attend
   in one call, the Hq / Hkv query heads of a KV head folded into the query length so grouped-
   query attention needs no K/V expansion. Requests are sorted by length and cut into chunks of
@@ -24,7 +24,6 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from minisgl_mp.attention.base import AttentionBackend, BatchLayout
 from minisgl_mp.kvcache.pool import KVPool
@@ -159,10 +158,22 @@ class SdpaBackend(AttentionBackend):
             else:
                 ki = k_pool[s.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
                 vi = v_pool[s.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)
-                mask, causal = causal_lower_right(s.q_len, ki.shape[2]), False
+                mask, causal = self._lower_right(s.q_len, ki.shape[2], q.device), False
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=self.scale,
                                                 enable_gqa=self.group > 1)
             out[rows] = oi[0].transpose(0, 1)
+
+    def _lower_right(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | object:
+        """Causal mask of q_len queries at the end of kv_len keys. On CUDA, PyTorch's
+        `causal_lower_right` bias, which its memory-efficient kernel applies without building
+        the [q_len, kv_len] mask; elsewhere PyTorch would build that mask anyway, so it is
+        built here (and `torch.nn.attention.bias`, whose import pulled in seconds of the
+        compiler stack at every start-up, is never imported on the CPU)."""
+        if device.type == "cuda":
+            from torch.nn.attention.bias import causal_lower_right
+
+            return causal_lower_right(q_len, kv_len)
+        return torch.arange(kv_len, device=device)[None, :] <= torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
 
     def _gather(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the slots in `index` ([B, L]) as [B, L, Hkv, D] views of the workspace."""
