@@ -12,7 +12,7 @@ PORT ?= 30000
 ZMQ_PORT ?= 30001
 SERVE_ARGS ?=
 
-.PHONY: install model test serve demo bench-quick clean
+.PHONY: install model test serve demo bench-quick gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ serve: install model
 # Everything at once: install, build the model, start the server, send it prompts, stop it.
 demo: install model
 	$(PYTHON) launch/demo.py --model $(MODEL_DIR)
+
+# The CUDA path on one GPU (under 6 minutes): JSON in bench_results/gpu_check.json. Without a
+# GPU, `$(PYTHON) launch/gpu_check.py --device cpu --quick` runs the same checks at toy sizes.
+gpu-check: install model
+	$(PYTHON) launch/gpu_check.py --out bench_results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CACHE_TYPES = ("radix", "naive")
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
 def _help(text: str) -> dict[str, str]:
@@ -41,9 +42,10 @@ class EngineConfig:
     schedule_aging_steps: int = field(default=32, metadata=_help("lpm: a request waiting this many rounds goes first"))
     mixed_batch: bool = field(default=True, metadata=_help("run decodes in the same step as a prefill chunk"))
     max_prefill_streak: int = field(default=2, metadata=_help("without mixed batches: prefill steps in a row before decode runs"))
-    attention_backend: str = field(default="torch", metadata=_help("attention implementation"))
+    attention_backend: str = field(default="auto", metadata=_help("auto (cpu on the CPU; flashinfer on CUDA when installed, else triton), cpu (the C paged kernel), sdpa (PyTorch), triton, flashinfer"))
+    cuda_graph_max_bs: int | None = field(default=None, metadata=_help("on CUDA: largest decode batch run through a captured CUDA graph (default: 256, at most --max-running-requests)"))
+    disable_cuda_graph: bool = field(default=False, metadata=_help("on CUDA: run decode steps eagerly, without CUDA graphs"))
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack linear weights for oneDNN"))
-    cpu_attention_kernel: bool = field(default=True, metadata=_help("on CPU, the C paged-attention kernel for decode and short extends (built on first use; PyTorch fallback)"))
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
@@ -67,5 +69,11 @@ class EngineConfig:
         check(self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}")
         check(self.schedule_aging_steps >= 1, "schedule_aging_steps must be >= 1")
         check(self.max_prefill_streak >= 1, "max_prefill_streak must be >= 1")
-        check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+
+    @property
+    def graph_max_bs(self) -> int:
+        """Largest decode batch captured in a CUDA graph (no larger batch can run)."""
+        return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)

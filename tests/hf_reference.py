@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from minisgl_mp.attention.base import AttentionContext, BatchLayout, ForwardMode
-from minisgl_mp.attention.torch_backend import TorchAttentionBackend
+from minisgl_mp.attention import registry
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.models.config import ModelConfig
@@ -113,8 +113,16 @@ class PagedModel:
         gen = torch.Generator().manual_seed(seed)
         scattered = torch.randperm(num_slots, generator=gen)[: max_reqs * max_len]
         self.table.table.copy_(scattered.view(max_reqs, max_len))
-        self.backend = TorchAttentionBackend(self.pool, self.table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.dtype = dtype
+        self.use_backend("auto")
         self.lens = [0] * max_reqs
+
+    def use_backend(self, name: str) -> None:
+        """Attend through the backend called `name` (`auto`: the engine's default here)."""
+        cfg: ModelConfig = self.model.config
+        name = registry.resolve_name(name, torch.device("cpu"), self.dtype, self.dtype)
+        self.backend = registry.create_backend(name, self.pool, self.table, cfg.num_heads, cfg.num_kv_heads,
+                                               cfg.head_dim, self.dtype)
 
     def run(self, mode: ForwardMode, rows: Sequence[int], chunks: Sequence[Sequence[int]],
             logits_indices: torch.Tensor | None = None) -> torch.Tensor:

@@ -72,9 +72,9 @@ def test_bad_inputs_are_refused() -> None:
 def test_engine_model_gives_the_same_logits_with_and_without_the_kernels(tiny_model_dir: Path) -> None:
     kw = {"device": "cpu", "dtype": "float32", "num_pages": 512, "max_running_requests": 4}
     on, off = LLM(str(tiny_model_dir), **kw), LLM(str(tiny_model_dir), cpu_fused_ops=False, **kw)
-    assert all(layer.self_attn.cpu_kernels and layer.input_layernorm.cpu_kernels
+    assert all(layer.self_attn.q_norm.cpu_kernels and layer.input_layernorm.cpu_kernels
                for layer in on.scheduler.runner.model.layers)
-    assert not any(layer.self_attn.cpu_kernels for layer in off.scheduler.runner.model.layers)
+    assert not any(layer.self_attn.q_norm.cpu_kernels for layer in off.scheduler.runner.model.layers)
     prompts = [list(range(5, 45)), [9, 8, 7]]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
     outs = [llm.generate(prompts, params) for llm in (on, off)]

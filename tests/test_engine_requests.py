@@ -169,3 +169,11 @@ def test_context_length_ends_generation_with_length(short_llm: LLM) -> None:
 def test_context_length_beyond_the_model_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="context_length 5000 exceeds the model's max_position_embeddings 4096"):
         LLM(str(tiny_model_dir), **CPU, context_length=5000, num_pages=16)
+
+
+def test_a_context_length_off_the_page_size_runs_to_the_end(tiny_model_dir: Path) -> None:
+    """context_length 100 with 16-token pages: the last page (slots 96..111) runs past the
+    context; the request still reaches its last token instead of failing the step."""
+    small = LLM(str(tiny_model_dir), **CPU, context_length=100, page_size=16, num_pages=64, max_running_requests=2)
+    out = small.generate([list(range(5, 90))], SamplingParams(max_tokens=15, temperature=0, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 15 and out["finish_reason"] == "length"

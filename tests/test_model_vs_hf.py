@@ -1,7 +1,7 @@
 """Our models (Qwen3, Llama, Qwen2, Qwen3-MoE) and paged attention against transformers' on the CPU.
 
 Each model runs through the same path the engine uses (`PagedModel`: model + KV pool + page
-table + torch attention backend), with every request's KV slots scattered over the pool, so
+table + the default attention backend; sdpa too), with every request's KV slots scattered over the pool, so
 attention must follow the page table. Logits must agree with HF's for batched prefill, batched
 decode over the KV cache, and an extend over a cached prefix: within 1e-5 in float64 (the
 math), and in float32 within what float32 rounding allows (see `tolerance`).
@@ -168,6 +168,26 @@ def test_chunked_extend_over_cached_prefix_matches_hf(case: _Case) -> None:
         ref = case.ref[i][: len(full[i])]
         _check(a, ref[: split[i]], f"request {i}: first {split[i]} tokens")
         _check(b, ref[split[i] :], f"request {i}: {rest[i]} tokens over {split[i]} cached")
+
+
+@pytest.mark.timeout(120)
+def test_sdpa_backend_matches_hf_in_float32(make_checkpoint: MakeCheckpoint) -> None:
+    """The default CPU backend sends these short runs to the C kernel; sdpa takes them all."""
+    case = _case(make_checkpoint, {})
+    case.ours.use_backend("sdpa")
+    try:
+        rows = list(range(len(case.prompts)))
+        full = [p + [case.next_tokens[0][i]] for i, p in enumerate(case.prompts)]
+        split = [max(1, 2 * len(p) // 3) for p in case.prompts]
+        case.ours.run(ForwardMode.EXTEND, rows, [f[:s] for f, s in zip(full, split)])
+        second = case.ours.run(ForwardMode.EXTEND, rows, [f[s:] for f, s in zip(full, split)])
+        for i, b in enumerate(_split(second, [len(f) - s for f, s in zip(full, split)])):
+            _check(b, case.ref[i][split[i] : len(full[i])], f"request {i}: extend over {split[i]} cached")
+        logits = case.ours.run(ForwardMode.DECODE, rows, [[t] for t in case.next_tokens[1]])
+        for i, f in enumerate(full):
+            _check(logits[i], case.ref[i][len(f)], f"decode after {len(f)} tokens")
+    finally:
+        case.ours.use_backend("auto")
 
 
 @pytest.mark.timeout(120)

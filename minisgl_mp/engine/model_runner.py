@@ -7,7 +7,8 @@ import logging
 import torch
 
 from minisgl_mp.attention.base import AttentionContext, BatchLayout
-from minisgl_mp.attention.torch_backend import TorchAttentionBackend
+from minisgl_mp.engine.cuda_graph import DecodeGraphRunner
+from minisgl_mp.attention import registry
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.kvcache.pool import KVPool
@@ -51,13 +52,28 @@ class ModelRunner:
         self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
                            mc.head_dim, self.kv_dtype, device, prefault=config.cpu_prefault_kv)
         self.req_table = ReqTable(config.max_running_requests, context_len, device, config.page_size)
-        self.backend = TorchAttentionBackend(self.pool, self.req_table, mc.num_heads, mc.num_kv_heads,
-                                             mc.head_dim, use_cpu_kernel=config.cpu_attention_kernel, dtype=dtype)
-        logger.info("attention: %s, KV cache %s", "C paged kernel for short runs + PyTorch SDPA"
-                    if self.backend.use_cpu_kernel else "PyTorch SDPA", str(self.kv_dtype).replace("torch.", ""))
+        self.attention_backend = registry.resolve_name(config.attention_backend, device, dtype, self.kv_dtype)
+        self.backend = registry.create_backend(self.attention_backend, self.pool, self.req_table, mc.num_heads,
+                                               mc.num_kv_heads, mc.head_dim, dtype)
+        logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
+        self.graphs: DecodeGraphRunner | None = None
+        if device.type == "cuda" and not config.disable_cuda_graph:
+            if hasattr(self.backend, "graph_metadata"):
+                self.graphs = DecodeGraphRunner(self.model, self.backend, self.pool.pad_slot, config.graph_max_bs, device)
+                self.graphs.capture(progress=progress)
+            else:
+                logger.warning("the %s attention backend does not run in CUDA graphs: decode runs eagerly",
+                               self.attention_backend)
 
     @torch.inference_mode()
     def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor | None) -> torch.Tensor:
+        # Checked here, on host lengths, not in the model: reading positions back would sync the
+        # device every step (and the C rotary kernel indexes its table unchecked).
+        if layout.batch_size and max(layout.seq_lens) > self.model.rotary.max_position:
+            raise ValueError(f"position {max(layout.seq_lens) - 1} is past the model's {self.model.rotary.max_position}")
+        if self.graphs is not None and self.graphs.can_run(layout):
+            logits = self.graphs.replay(layout, input_ids, positions)
+            return logits if logits_indices is None else logits[logits_indices]
         attn = AttentionContext(self.backend, self.backend.prepare(layout))
         return self.model(input_ids, positions, attn, logits_indices)

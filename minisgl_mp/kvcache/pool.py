@@ -10,7 +10,8 @@ class KVPool:
 
     k, v: [num_layers, num_slots + 1, num_kv_heads, head_dim]. A slot is a token position in the
     pool; page p owns slots [p * page_size, (p + 1) * page_size). The extra slot `pad_slot` is
-    all zeros and never handed out: padded reads point there. The rest is left uninitialised
+    never handed out: padded reads point there and are masked, and the padding rows of a CUDA
+    graph's decode batch write there. It starts as zeros and only ever holds finite values. The rest is left uninitialised
     (allocating gigabytes stays instant), which is safe because attention reads only slots
     that were written, or the pad slot.
     """

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from minisgl_mp.attention.base import AttentionContext
-from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.layers.linear import Linear
 from minisgl_mp.layers.mlp import GatedMLP
 from minisgl_mp.layers.norm import RMSNorm
+from minisgl_mp.layers.qk_norm_rope import qk_norm_rope
 from minisgl_mp.layers.rotary import RotaryEmbedding
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.decoder import DecoderLayer, DecoderLM
@@ -27,29 +27,13 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.cpu_kernels = False
-
-    def enable_cpu_kernels(self) -> bool:
-        """q/k norms and RoPE as one C pass over the qkv projection (float32 on the CPU)."""
-        w = self.q_norm.weight
-        self.cpu_kernels = w.device.type == "cpu" and w.dtype == torch.float32 and self.head_dim % 2 == 0
-        return self.cpu_kernels
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.cpu_kernels and qkv.dtype == torch.float32 and qkv.is_contiguous():
-            q, k = cpu_kernels.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                            rope.cos_sin, positions)
-            v = qkv[:, self.q_size + self.kv_size :]
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-            q, k = rope(positions, q, k)
-        o = attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), self.layer_id)
+        q, k, v = qk_norm_rope(self.qkv_proj(x), positions, self.q_norm, self.k_norm, rope,
+                               self.num_heads, self.num_kv_heads, self.head_dim)
+        o = attn(q, k, v, self.layer_id)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

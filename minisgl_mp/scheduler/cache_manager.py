@@ -7,6 +7,8 @@ request (between its handle and its alloc_len). `check_health` verifies the thre
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from minisgl_mp.kvcache.allocator import PageAllocator
@@ -62,6 +64,28 @@ class CacheManager:
             self.table.table[row, req.alloc_len : req.alloc_len + slots.numel()] = slots
             req.alloc_len += slots.numel()
         return self.table.table[row, req.cached_len : req.cached_len + num_tokens]
+
+    def reserve_decodes(self, reqs: Sequence[Req]) -> torch.Tensor | None:
+        """The KV slot of each decoding request's next token, [len(reqs)] in order: `reserve(r,
+        1)` for all of them at once. Requests whose pages are full get one fresh page each from
+        a single allocation, written into the page table with one indexed store; then one
+        gather reads every slot. None, with nothing changed, when the pool cannot supply them."""
+        if not reqs:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        needy = [r for r in reqs if r.cached_len + 1 > r.alloc_len]  # alloc_len >= cached_len always
+        if needy:
+            if not self._ensure_free_pages(len(needy)):
+                return None
+            pages = self.allocator.alloc_pages(len(needy))
+            rows = torch.tensor([r.row for r in needy], device=self.device)
+            offsets = torch.arange(self.page_size, device=self.device)
+            cols = torch.tensor([r.alloc_len for r in needy], device=self.device)[:, None] + offsets
+            self.table.table[rows[:, None], cols] = pages[:, None] * self.page_size + offsets
+            for r in needy:
+                r.alloc_len += self.page_size
+        rows = torch.tensor([r.row for r in reqs], device=self.device)
+        cols = torch.tensor([r.cached_len for r in reqs], device=self.device)
+        return self.table.table[rows, cols]
 
     def cache_prefix(self, req: Req) -> None:
         """Insert the computed tokens into the prefix cache and move the request's lock there.

@@ -1,0 +1,105 @@
+"""The GPU check: everything about the CUDA path that CI on the CPU cannot show, in one run.
+
+    python launch/gpu_check.py                         # one GPU, under 6 minutes: bench_results/gpu_check.json
+    python launch/gpu_check.py --device cpu --quick    # the same checks at toy sizes on the CPU (CI runs this)
+
+Checks, each recorded in the JSON with `ok` (the exit status is 1 when any failed):
+- greedy tokens against transformers on the same weights (bfloat16 tolerance), on the
+  generated model and on the Qwen3-0.6B shape (random weights written once, loaded by both);
+- every attention backend that runs here against sdpa;
+- a 32k-token prompt, alone and among 255 short requests (must not run out of memory);
+- offline throughput on the Qwen3-0.6B shape, 256 requests with input and output lengths
+  U(100, 1024) (nano-vllm's published setting), with and without CUDA graphs;
+- decode step time at batch 1, 64 and 256, with and without CUDA graphs;
+- transformers `generate` (static batches) on the first 64 requests, as the baseline.
+Overlap scheduling is not built yet (issue 19, item 4): its entry says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl_mp.bench import gpu_check as checks
+from minisgl_mp.bench.checkpoints import prepare_model
+from minisgl_mp.bench.report import machine_info, write_json
+from minisgl_mp.llm import LLM
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --quick: a smoke run)")
+    p.add_argument("--quick", action="store_true", help="toy sizes, the generated model only")
+    p.add_argument("--dtype", help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--model", default="Qwen3-0.6B", help="the large shape (default Qwen3-0.6B; --quick: the small model)")
+    p.add_argument("--small-model", default="models/qwen3-tiny", help="the generated model")
+    p.add_argument("--checkpoint-dir", type=Path, default=Path("bench_results/checkpoints"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench_results/gpu_check.json"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here: run with --device cpu --quick for the CPU smoke run", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    sizes = checks.QUICK if args.quick else checks.FULL
+    tol = 1e-3 if dtype == torch.float32 else 0.5  # logit gap allowed for a greedy choice
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)
+
+    small = prepare_model(args.small_model, None, args.checkpoint_dir, args.seed)
+    large = small if args.quick else prepare_model(args.model, None, args.checkpoint_dir, args.seed)
+    results: dict[str, Any] = {}
+    report: dict[str, Any] = {"machine": machine_info(), "device": args.device, "dtype": str(dtype),
+                              "quick": args.quick, "sizes": asdict(sizes), "models": {"small": small.to_dict(),
+                              "large": large.to_dict()}, "checks": results}
+
+    def run(name: str, fn: Any) -> None:
+        checks.run_check(name, fn, results, log)
+
+    run("greedy_vs_hf_small", lambda: checks.greedy_vs_hf(small, args.device, dtype, sizes, tol, args.seed))
+    if not args.quick:
+        run("greedy_vs_hf_large", lambda: checks.greedy_vs_hf(large, args.device, dtype, sizes, tol, args.seed))
+    run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed, args.quick))
+
+    graph_modes = (False, True) if args.device.startswith("cuda") else (True,)  # no graphs on the CPU
+    for disable_graph in graph_modes:
+        tag = "eager" if disable_graph else "cuda_graph"
+        kwargs = checks.engine_kwargs(args.device, dtype, max(sizes.decode_batches + (sizes.skew_short + 1,)))
+        context = max(sizes.long_prompt + 64, sizes.decode_context + 64, 2 * sizes.throughput_lens[1] + 8)
+        llm = LLM(large.engine_model, load_format=large.engine_load_format, disable_cuda_graph=disable_graph,
+                  context_length=context, **kwargs)
+        vocab = llm.scheduler.runner.model_config.vocab_size
+        log(f"engine ({tag}): attention {llm.scheduler.runner.attention_backend}")
+        if not disable_graph or len(graph_modes) == 1:
+            run("long_context", lambda: checks.long_context(llm, sizes, vocab, args.seed))
+        run(f"throughput_{tag}", lambda: checks.throughput(llm, sizes, vocab, args.seed))
+        run(f"decode_steps_{tag}", lambda: checks.decode_steps(llm, sizes, vocab, args.seed))
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    results["overlap_schedule"] = {"ok": None, "note": "overlap scheduling is not built yet (issue 19, item 4)"}
+    run("hf_generate_baseline", lambda: checks.hf_baseline(large, args.device, dtype, sizes, vocab, args.seed))
+
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    out = write_json(args.out, report)
+    failed = [k for k, v in results.items() if v.get("ok") is False]
+    log(f"wrote {out}; " + (f"FAILED: {', '.join(failed)}" if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

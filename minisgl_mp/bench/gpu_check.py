@@ -1,0 +1,176 @@
+"""The checks of launch/gpu_check.py: the CUDA path, run whenever a GPU is at hand.
+
+Each check returns a JSON-able dict with `ok`; one that raises is recorded with its error and
+the others still run. `Sizes` holds the full run's settings (one GPU, under 6 minutes) and a
+quick one that runs on the CPU in seconds, so CI exercises every line that is not CUDA-only.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from minisgl_mp.attention import registry
+from minisgl_mp.attention.base import BatchLayout, ForwardMode
+from minisgl_mp.bench import decode_floor
+from minisgl_mp.bench.checkpoints import BenchModel
+from minisgl_mp.bench.hf_baselines import HFStatic, load_hf_model
+from minisgl_mp.bench.runs import run_engine, run_workload
+from minisgl_mp.bench.workloads import LengthRange, random_workload
+from minisgl_mp.kvcache.pool import KVPool
+from minisgl_mp.kvcache.req_table import ReqTable
+from minisgl_mp.llm import LLM
+
+
+@dataclass(frozen=True)
+class Sizes:
+    greedy_prompts: int
+    greedy_tokens: int
+    long_prompt: int  # tokens of the long-context prompt, alone and among short ones
+    skew_short: int  # short requests beside it
+    throughput_requests: int
+    throughput_lens: tuple[int, int]  # input and output lengths drawn from U(lo, hi)
+    decode_batches: tuple[int, ...]
+    decode_context: int
+    hf_requests: int  # the transformers baseline runs the first N requests of the workload
+
+
+# nano-vllm's published setting: 256 sequences, input and output lengths U(100, 1024).
+FULL = Sizes(4, 32, 32768, 255, 256, (100, 1024), (1, 64, 256), 256, 64)
+QUICK = Sizes(2, 4, 256, 7, 6, (8, 24), (1, 2), 32, 3)
+
+
+def engine_kwargs(device: str, dtype: torch.dtype, max_running: int) -> dict[str, Any]:
+    """LLM(...) settings; on the CPU a small pool (a GPU sizes its own from free memory)."""
+    kwargs: dict[str, Any] = {"device": device, "dtype": str(dtype).split(".")[-1],
+                              "max_running_requests": max_running}
+    if device == "cpu":
+        kwargs["kv_cache_gb"] = 0.25
+    return kwargs
+
+
+def run_check(name: str, fn: Callable[[], dict[str, Any]], results: dict[str, Any], log: Callable[[str], None]) -> None:
+    start = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as e:  # a failed check is a result, not the end of the run
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
+    out["seconds"] = round(time.perf_counter() - start, 2)
+    results[name] = out
+    log(f"{name}: {'ok' if out.get('ok') else 'FAILED'} ({out['seconds']} s)"
+        + ("" if out.get("ok") else f" {out.get('error', '')}"))
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def greedy_vs_hf(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes, tol: float,
+                 seed: int) -> dict[str, Any]:
+    """The engine's greedy tokens against transformers on the same weights: each chosen token
+    must be within `tol` of HF's best logit given the tokens before it (teacher forcing)."""
+    llm = LLM(model.engine_model, load_format=model.engine_load_format, **engine_kwargs(device, dtype, 16))
+    vocab = llm.scheduler.runner.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (5, 40, 130, 300)[: sizes.greedy_prompts]]
+    outs = [o["token_ids"] for o in llm.generate(prompts, _greedy(sizes.greedy_tokens))]
+    del llm
+    hf = load_hf_model(model, seed, device, progress=False).to(dtype)
+    gaps = []
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs):
+            logits = hf(torch.tensor([p + o[:-1]], device=device)).logits[0, len(p) - 1 :].float()
+            chosen = logits.gather(1, torch.tensor(o, device=device)[:, None])[:, 0]
+            gaps.append(float((logits.max(1).values - chosen).max()))
+    return {"ok": max(gaps) <= tol, "max_logit_gap": max(gaps), "tolerance": tol, "per_prompt_gap": gaps,
+            "prompt_lens": [len(p) for p in prompts], "tokens_each": sizes.greedy_tokens}
+
+
+def _greedy(n: int) -> Any:
+    from minisgl_mp.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def backends_vs_sdpa(device: torch.device, dtype: torch.dtype, seed: int, quick: bool = False) -> dict[str, Any]:
+    """Every backend that runs here against sdpa on one ragged batch: decodes, a fresh prompt,
+    an extend over a prefix; page size 16, Qwen3-0.6B heads (16 q / 8 kv of 128; quick: a
+    smaller batch of 4 q / 2 kv heads of 32, for Triton's CPU interpreter)."""
+    hq, hkv, d, page = (4, 2, 32, 16) if quick else (16, 8, 128, 16)
+    cached, extend = ((40, 0, 9), (1, 20, 5)) if quick else ((300, 0, 77, 1000, 5), (1, 60, 19, 1, 1))
+    seq = [c + e for c, e in zip(cached, extend)]
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in seq]
+    pool = KVPool(1, (sum(pages) + 1) * page, hkv, d, dtype, device)
+    table = ReqTable(len(seq), max(seq), device)
+    order = torch.randperm(sum(pages) + 1, generator=gen).tolist()
+    for r, (n, np_) in enumerate(zip(seq, pages)):
+        mine, order = order[:np_], order[np_:]
+        table.table[r, :n] = torch.cat([torch.arange(p * page, (p + 1) * page) for p in mine])[:n].to(device)
+    pool.k.normal_(generator=None)
+    pool.v.normal_(generator=None)
+    out_loc = torch.cat([table.table[r, c : c + e] for r, (c, e) in enumerate(zip(cached, extend))])
+    layout = BatchLayout(ForwardMode.EXTEND, torch.arange(len(seq), device=device), cached, extend, out_loc)
+    t = sum(extend)
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(device, dtype) for h in (hq, hkv, hkv))
+    outs, errors = {}, {}
+    for name in ("sdpa", *[b for b in registry.BACKENDS if b != "sdpa"]):
+        if not registry.is_available(name, device, dtype, dtype):
+            continue
+        backend = registry.create_backend(name, pool, table, hq, hkv, d, dtype)
+        outs[name] = backend.forward(q, k, v, 0, backend.prepare(layout)).float()
+        if name != "sdpa":
+            errors[name] = float((outs[name] - outs["sdpa"]).abs().max())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    return {"ok": all(e <= tol for e in errors.values()), "max_abs_error_vs_sdpa": errors, "tolerance": tol,
+            "backends": list(outs)}
+
+
+def long_context(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any]:
+    """One long prompt alone, then the same among many short ones: both must finish."""
+    gen = torch.Generator().manual_seed(seed)
+    long = torch.randint(vocab, (sizes.long_prompt,), generator=gen).tolist()
+    short = [torch.randint(vocab, (64,), generator=gen).tolist() for _ in range(sizes.skew_short)]
+    cuda = torch.cuda.is_available() and llm.scheduler.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    alone = llm.generate([long], _greedy(4))
+    alone_s = time.perf_counter() - start
+    start = time.perf_counter()
+    skewed = llm.generate([long, *short], _greedy(8))
+    skewed_s = time.perf_counter() - start
+    done = all(len(o["token_ids"]) == 4 for o in alone) and all(len(o["token_ids"]) == 8 for o in skewed)
+    return {"ok": done, "prompt_tokens": sizes.long_prompt, "short_requests": sizes.skew_short,
+            "alone_s": alone_s, "skewed_batch_s": skewed_s,
+            "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+def throughput(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any]:
+    lens = LengthRange(*sizes.throughput_lens)
+    workload = random_workload(sizes.throughput_requests, lens, lens, vocab, seed)
+    result = run_engine(llm, workload, vocab, progress=False).to_dict()
+    return {"ok": True, **result}
+
+
+def decode_steps(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any]:
+    rows = {}
+    for b in sizes.decode_batches:
+        times = decode_floor.engine_decode_steps(llm, b, sizes.decode_context, steps=10, warmup=3,
+                                                 token_range=vocab, seed=seed, progress=False)
+        rows[str(b)] = {"median_ms": 1e3 * sorted(times)[len(times) // 2], "min_ms": 1e3 * min(times)}
+    return {"ok": True, "context": sizes.decode_context, "step_ms": rows}
+
+
+def hf_baseline(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes, vocab: int,
+                seed: int) -> dict[str, Any]:
+    """transformers `generate` on static batches over the first requests of the same workload."""
+    lens = LengthRange(*sizes.throughput_lens)
+    workload = random_workload(sizes.throughput_requests, lens, lens, vocab, seed).head(sizes.hf_requests)
+    hf = load_hf_model(model, seed, device, progress=False).to(dtype)
+    static = HFStatic(hf, batch_size=sizes.hf_requests, progress=False)
+    return {"ok": True, **run_workload("hf_static", workload, static.generate).to_dict()}

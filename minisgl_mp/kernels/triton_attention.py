@@ -1,0 +1,214 @@
+"""Triton paged attention: decode, and extend over a cached prefix, reading K/V straight from the
+pool through the page table (no padded gather), with an online softmax in float32.
+
+The page table is the request table: `table[row, pos]` is the pool slot of token `pos` of the
+request in `row`, whatever the page size (a page is a run of consecutive slots), so the same
+kernels serve page sizes 1 to 64. Grouped-query attention reads each K/V block once per KV head.
+K/V may be float32, bfloat16 or float16, and are cast to the queries' dtype on load; the
+products accumulate in float32.
+
+On the CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, read when this
+module is imported): slow, but the same code, which is how CI tests them without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+import torch
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Mid, MidLse, Table, Rows, SeqLens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
+    scale, head_dim,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    # One program per (request, KV head, split of the keys): its GROUP query heads attend over
+    # the split's keys. Splitting the keys keeps the GPU busy when requests are few and long.
+    # Writes the split's normalised output to Mid [B, Hq, NUM_SPLITS, D] and its log-sum-exp to
+    # MidLse [B, Hq, NUM_SPLITS] (-inf for a split with no keys).
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(Rows + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < head_dim
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        mask_n = pos < hi
+        slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
+        kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v)
+        m_i = m_new
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    mid_row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_G]
+    tl.store(Mid + mid_row[:, None] * head_dim + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(MidLse + mid_row, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    Mid, MidLse, Out, stride_ot, stride_oh, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (request, query head): the splits' outputs weighted by their share of
+    # the softmax mass. A row with no keys at all (seq_len 0: a CUDA-graph bucket's padding)
+    # writes zeros.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    base = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    lse = tl.load(MidLse + base + offs_s)  # [NUM_SPLITS]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    total = tl.sum(w, 0)
+    parts = tl.load(Mid + (base + offs_s)[:, None] * head_dim + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, Table, Rows, QStart, QLen, PrefixLen,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_table,
+    scale, head_dim,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    # One program per (request, query head, block of BLOCK_M new tokens). Query i of a request
+    # sits at position prefix_len + i and sees keys 0 ..= prefix_len + i, all read from the pool
+    # (the new tokens' K/V are stored before the kernel runs).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblock = tl.program_id(2)
+    q_len = tl.load(QLen + b)
+    if mblock * BLOCK_M < q_len:
+        q_start = tl.load(QStart + b)
+        prefix = tl.load(PrefixLen + b)
+        row = tl.load(Rows + b)
+        kvh = h // GROUP
+        offs_m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_m = offs_m < q_len
+        mask_d = offs_d < head_dim
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+        q_pos = prefix + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys past the block's last query are masked for every row of it: stop there.
+        end = tl.minimum(prefix + q_len, prefix + (mblock + 1) * BLOCK_M)
+        for start in range(0, end, BLOCK_N):
+            pos = start + offs_n
+            mask_n = pos < end
+            slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
+            kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows past q_len see no key: keep their max finite so exp() stays 0, not NaN.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _block_d(head_dim: int) -> int:
+    return triton.next_power_of_2(head_dim)
+
+
+# NOTE: the interpreter (Triton 3.9) computes tl.dot on bfloat16 operands wrongly (garbage of
+# order 1e10 where float32 and float16 are exact): under it, bfloat16 products run in float32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    if dtype == torch.bfloat16:
+        return tl.float32 if _INTERPRET else tl.bfloat16
+    return {torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int = 8,
+                     block_n: int = 32) -> None:
+    """One new token per request. q, out: [B, Hq, D]; k, v: [S, Hkv, D] (one layer of the pool);
+    table: [R, ctx] slots; rows, seq_lens: [B] (seq_len counts the new token, whose K/V are
+    already in the pool). num_splits: a power of two; each request's keys are cut into that
+    many runs attended in parallel, then combined."""
+    batch, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    # Partial results: [B, Hq, splits, D] outputs and [B, Hq, splits] log-sum-exps, float32.
+    mid = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    # tl.dot wants at least 16 rows: the group is padded with masked heads.
+    _decode_kernel[(batch, hkv, num_splits)](
+        q, k, v, mid, mid_lse, table, rows, seq_lens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
+        scale, d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=_block_d(d), NUM_SPLITS=num_splits, DOT_DTYPE=_dot_dtype(q.dtype),
+    )
+    _decode_reduce_kernel[(batch, hq)](mid, mid_lse, out, out.stride(0), out.stride(1), d,
+                                       NUM_SPLITS=num_splits, BLOCK_D=_block_d(d))
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, prefix_len: torch.Tensor,
+                     max_q_len: int, scale: float, block_m: int = 16, block_n: int = 32) -> None:
+    """Causal attention of each request's new tokens over its prefix and themselves.
+    q, out: [T, Hq, D]; k, v: [S, Hkv, D]; table: [R, ctx]; rows, q_start, q_len, prefix_len: [B].
+    max_q_len: the longest q_len (sizes the grid; a host value, so no sync)."""
+    batch = rows.numel()
+    hq, d = q.shape[1], q.shape[2]
+    group = hq // k.shape[1]
+    grid = (batch, hq, triton.cdiv(max_q_len, block_m))
+    _extend_kernel[grid](
+        q, k, v, out, table, rows, q_start, q_len, prefix_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), table.stride(0),
+        scale, d, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
+        DOT_DTYPE=_dot_dtype(q.dtype),
+    )

@@ -1,0 +1,33 @@
+"""q and k of a fused qkv projection, each head RMS-normed then rotated (Qwen3's attention input).
+
+One C pass over the projection on the CPU when the norms run their C kernels (float32; see
+`RMSNorm.enable_cpu_kernels`), the PyTorch ops otherwise: the model calls this and stays the
+same on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl_mp.kernels import cpu as cpu_kernels
+from minisgl_mp.layers.norm import RMSNorm
+from minisgl_mp.layers.rotary import RotaryEmbedding
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                 rope: RotaryEmbedding, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, (Hq + 2 Hkv) * D], rows q | k | v -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    v = qkv[:, q_size + kv_size :].reshape(t, num_kv_heads, head_dim)
+    if (q_norm.cpu_kernels and k_norm.cpu_kernels and qkv.dtype == torch.float32 and qkv.is_contiguous()
+            and head_dim % 2 == 0):
+        q, k = cpu_kernels.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm.weight, k_norm.weight,
+                                        q_norm.eps, rope.cos_sin, positions)
+        return q, k, v
+    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+    q = q_norm(q.reshape(t, num_heads, head_dim))
+    k = k_norm(k.reshape(t, num_kv_heads, head_dim))
+    q, k = rope(positions, q, k)
+    return q, k, v
