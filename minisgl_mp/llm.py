@@ -45,7 +45,7 @@ class LLM:
                 if self.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
                                                          stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-PROMPT_TAIL_TOKENS:])
-                results[rid] = {"token_ids": [], "logprobs": []}
+                results[rid] = {"token_ids": [], "logprobs": [], "prompt_logprobs": []}
         except Exception:
             # One bad prompt fails the whole call: drop the requests already queued by it.
             for rid in rids:
@@ -59,6 +59,7 @@ class LLM:
                     continue
                 res["token_ids"].extend(out.new_token_ids)
                 res["logprobs"].extend(out.logprobs)
+                res["prompt_logprobs"].extend(out.prompt_logprobs)
                 if out.rid in detoks:
                     detoks[out.rid].push(out.new_token_ids)
                 if out.finished:

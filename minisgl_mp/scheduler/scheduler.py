@@ -25,7 +25,7 @@ from minisgl_mp.scheduler.batch import ScheduledBatch, build_batch
 from minisgl_mp.scheduler.cache_manager import CacheManager
 from minisgl_mp.scheduler.policy import InFlightPrefixes, order_waiting
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
-from minisgl_mp.scheduler.sampler import Sampler
+from minisgl_mp.scheduler.sampler import Sampler, record_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With the first output only: the prompt's log-probabilities, when asked for.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +98,9 @@ class Scheduler:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_len}, "
@@ -138,7 +143,10 @@ class Scheduler:
         if batch is None:
             return outputs
         logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
-        result = self.sampler.sample(logits, batch.sampled_reqs) if batch.sampled_reqs else None
+        num_sampled = len(batch.sampled_reqs)
+        if batch.prompt_logprob_spans:
+            record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled:])
+        result = self.sampler.sample(logits[:num_sampled], batch.sampled_reqs) if num_sampled else None
         outputs.extend(self._process(batch, result))
         return outputs
 
@@ -291,11 +299,13 @@ class Scheduler:
             req.finish_reason = FinishReason.LENGTH
 
     def _output(self, req: Req, new_ids: list[int], lps: list[TokenLogprobs]) -> ReqOutput:
+        prompt_lps, req.prompt_logprobs = req.prompt_logprobs, []
         return ReqOutput(
             rid=req.rid, new_token_ids=new_ids, logprobs=lps, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
             completion_tokens=req.output_len, cached_tokens=req.prefix_hit_len or 0,
+            prompt_logprobs=prompt_lps,
         )
 
     # ---- health and admin -------------------------------------------------------------------------
