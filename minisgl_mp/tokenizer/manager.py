@@ -33,6 +33,7 @@ class _ReqState:
     created: float = field(default_factory=time.perf_counter)
     last_output: float | None = None
     finished: bool = False
+    probe: bool = False  # a health probe: not a request, kept out of the metrics
 
 
 class TokenizerManager:
@@ -79,7 +80,8 @@ class TokenizerManager:
                 raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
         elif req.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True,
+                                                          **(req.chat_template_kwargs or {}))
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault
                 raise RequestError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
             ids = await self._encode(text, add_special_tokens=False)
@@ -87,6 +89,10 @@ class TokenizerManager:
             ids = await self._encode(req.text or "", add_special_tokens=True)
         if not ids:
             raise RequestError("the prompt is empty: at least one token is needed", param="prompt")
+        bad = next((t for t, _ in req.params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="logit_bias")
         self.check_length(len(ids), req.params.max_tokens)
         return ids
 
@@ -120,15 +126,16 @@ class TokenizerManager:
                 f"{self.config.server.max_queued_requests}); retry later", kind="overloaded")
 
     async def generate(self, req: GenerateRequest, ids: list[int] | None = None,
-                       rid: str | None = None) -> AsyncIterator[TextOut]:
-        """Outputs of one request, the last with finished=True. Raises RequestError."""
+                       rid: str | None = None, probe: bool = False) -> AsyncIterator[TextOut]:
+        """Outputs of one request, the last with finished=True. Raises RequestError. A `probe`
+        (a health check's generation) is not counted in the metrics."""
         rid = rid or req.rid or self.new_rid()
         if rid in self.states:
             raise RequestError(f"request id {rid!r} is already in use", param="rid")
         self.admit_check()
         if ids is None:
             ids = await self.prompt_ids(req)
-        state = _ReqState()
+        state = _ReqState(probe=probe)
         self.states[rid] = state
         try:
             await self.to_scheduler.put(GenerateReq(rid, ids, req.params.to_dict()))
@@ -136,7 +143,7 @@ class TokenizerManager:
                 msg = await state.queue.get()
                 if isinstance(msg, ReqError):
                     state.finished = True
-                    if self.metrics:
+                    if self.metrics and not probe:
                         self.metrics.request_errors.inc()
                     raise RequestError(msg.message, kind=msg.kind if msg.kind in RequestError.STATUS else "internal")
                 self._observe(state, msg)
@@ -148,10 +155,12 @@ class TokenizerManager:
             del self.states[rid]
             if not state.finished:
                 self.spawn(self.to_scheduler.put(AbortReq(rid)))
+                if self.metrics and not probe:
+                    self.metrics.aborted.inc()
 
     def _observe(self, state: _ReqState, out: TextOut) -> None:
         now = time.perf_counter()
-        m = self.metrics
+        m = None if state.probe else self.metrics
         if m is not None and out.new_ids:
             if state.last_output is None:
                 m.ttft.observe(now - state.created)
@@ -165,6 +174,8 @@ class TokenizerManager:
         if m is not None and out.finished:
             m.e2e.observe(now - state.created)
             m.requests.inc()
+            if out.finish_reason == "abort":
+                m.aborted.inc()
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
 
