@@ -301,11 +301,11 @@ def test_health_and_metrics(http: httpx.Client, client: openai.OpenAI, server: S
     client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3, **GREEDY)
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    for name in ("minisgl_requests_finished_total", "minisgl_generation_tokens_total",
-                 "minisgl_time_to_first_token_seconds_bucket", "minisgl_e2e_request_latency_seconds_count",
-                 "minisgl_num_running_requests", "minisgl_kv_total_tokens"):
+    for name in ("sglang:num_requests_total", "sglang:generation_tokens_total",
+                 "sglang:time_to_first_token_seconds_bucket", "sglang:e2e_request_latency_seconds_count",
+                 "sglang:num_running_reqs", "sglang:max_total_num_tokens"):
         assert name in r.text, name
-    total = next(line for line in r.text.splitlines() if line.startswith("minisgl_kv_total_tokens{"))
+    total = next(line for line in r.text.splitlines() if line.startswith("sglang:max_total_num_tokens{"))
     assert float(total.split()[-1]) == 8192  # gauges refreshed from the scheduler's stats
 
 
