@@ -12,6 +12,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
 LOGIT_BIAS_RANGE = 100.0
+LOGIT_BIAS_ALLOWED = f"an object mapping token ids >= 0 to numbers in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -104,8 +105,7 @@ class SamplingParams:
             raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
             if token < 0 or not _is_num(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in "
-                                 f"[{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {token!r}: {bias!r}")
+                raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {token!r}: {bias!r}")
 
     @property
     def greedy(self) -> bool:
@@ -144,13 +144,13 @@ def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
     elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
         items = [tuple(p) for p in bias]
     else:
-        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {type(bias).__name__}")
+        raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {bias!r}")
     pairs = []
     for token, value in items:
         if isinstance(token, str) and token.strip().lstrip("-").isdigit():
             token = int(token)
         if not _is_int(token):
-            raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {token!r}: {value!r}")
         if _is_int(value):
             value = float(value)
         pairs.append((token, value))

@@ -191,8 +191,10 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI, server: ServerProce
     c = echoed.choices[0]
     n_prompt = len(tokenizer.encode(PROMPT))
     assert c.text == PROMPT + r.choices[0].text
-    # The prompt's tokens come first, with null log-probabilities (they are not computed).
-    assert c.logprobs.token_logprobs[:n_prompt] == [None] * n_prompt
+    # The prompt's tokens come first, scored, but for the first (null, as OpenAI and vLLM).
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:n_prompt])
+    assert all(len(top) == 1 for top in c.logprobs.top_logprobs[1:n_prompt])
     assert c.logprobs.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs)
     assert echoed.usage.completion_tokens == 4
 

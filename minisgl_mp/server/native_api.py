@@ -128,6 +128,9 @@ async def parse_native(body: dict[str, Any], manager: TokenizerManager) -> Nativ
     created = time.perf_counter()
     reqs, batched = _prompts(body)
     ns = [_n(p) for p in _per_prompt(body, "sampling_params", len(reqs), batched)]
+    for req in reqs:
+        if req.rid is not None and req.rid in manager.states:
+            raise HttpError(f"request id {req.rid!r} is already in use", param="rid")
     manager.admit_check(sum(ns))
     choices: list[Choice] = []
     logprobs: dict[int, LogprobRequest] = {}
