@@ -73,21 +73,22 @@ def metric(http: httpx.Client, name: str, **labels: str) -> float:
 
 
 # ---- lm-eval ----------------------------------------------------------------------------------------
-def lm_eval_payload(api: Any, model: str, ids: list[int]) -> dict[str, Any]:
-    if api is None:  # written down from lm-eval 0.4.13's _create_payload(generate=False)
-        if api is LocalCompletionsAPI:
-            return {"model": model, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-                    "seed": 1234, "echo": True}
+def lm_eval_payload(api: Any, model: str, ids: list[int], native: bool) -> dict[str, Any]:
+    """lm-eval's loglikelihood request for `ids` (its _create_payload(generate=False))."""
+    if api is not None:
+        return api._create_payload(SimpleNamespace(model=model, _max_gen_toks=256), [ids], generate=False)
+    if native:  # written down from lm-eval 0.4.13's sglang_generate_API.py
         return {"input_ids": [ids], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                 "logprob_start_len": 0, "top_logprobs_num": 1, "return_logprob": True}
-    return api._create_payload(SimpleNamespace(model=model, _max_gen_toks=256), [ids], generate=False)
+    return {"model": model, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,  # openai_completions.py
+            "seed": 1234, "echo": True}
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_lm_eval_local_completions_loglikelihood(server: ServerProcess, http: httpx.Client,
                                                  scored: tuple[list[int], int, list[float]]) -> None:
     ids, ctxlen, want = scored
-    payload = lm_eval_payload(LocalCompletionsAPI, server.model, ids)
+    payload = lm_eval_payload(LocalCompletionsAPI, server.model, ids, native=False)
     assert payload["echo"] is True and payload["logprobs"] == 1 and payload["prompt"] == [ids]
     r = http.post("/v1/completions", json=payload)
     assert r.status_code == 200, r.text
@@ -111,7 +112,7 @@ def test_lm_eval_local_completions_loglikelihood(server: ServerProcess, http: ht
 def test_lm_eval_sglang_generate_loglikelihood(server: ServerProcess, http: httpx.Client,
                                                scored: tuple[list[int], int, list[float]]) -> None:
     ids, ctxlen, want = scored
-    r = http.post("/generate", json=lm_eval_payload(SGLANGGENERATEAPI, server.model, ids))
+    r = http.post("/generate", json=lm_eval_payload(SGLANGGENERATEAPI, server.model, ids, native=True))
     assert r.status_code == 200, r.text
     out, = r.json()  # input_ids was a batch of one
     meta = out["meta_info"]
