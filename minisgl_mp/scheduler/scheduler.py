@@ -35,6 +35,10 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.15
 NEW_TOKEN_RATIO_DECAY = 0.002
 ESTIMATE_CAP_TOKENS = 4096
+# A prompt whose log-probabilities are wanted prefills at most this many tokens a step: each
+# goes through the LM head, and [tokens, vocab] float32 logits (plus their log_softmax) for a
+# full 8192-token chunk of a 151,936-word vocabulary would take 10 GB.
+PROMPT_LOGPROB_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,11 @@ class SchedulerStats:
     finished: int = 0
     aborted: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _chunk_len(req: Req, budget: int) -> int:
+    """Prompt tokens of `req` to run this step, within the step's prefill budget."""
+    return min(req.extend_len, budget, PROMPT_LOGPROB_CHUNK if req.wants_prompt_logprobs else budget)
 
 
 class Scheduler:
@@ -213,7 +222,7 @@ class Scheduler:
         for r in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
-            n = min(r.extend_len, budget)
+            n = _chunk_len(r, budget)
             loc = self.kv.reserve(r, n)
             if loc is None:
                 # Out of pages mid-prompt: step back rather than hold KV that cannot grow. Its
@@ -238,7 +247,7 @@ class Scheduler:
                 continue
             if not self.kv.admit(r):
                 break
-            n = min(r.extend_len, budget)
+            n = _chunk_len(r, budget)
             loc = None
             if self._future_tokens(r) + reserved <= self.kv.available_tokens or not self.running:
                 loc = self.kv.reserve(r, n)
