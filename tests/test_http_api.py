@@ -195,7 +195,8 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI, server: ServerProce
     assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
     assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:n_prompt])
     assert all(len(top) == 1 for top in c.logprobs.top_logprobs[1:n_prompt])
-    assert c.logprobs.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs)
+    # Within float rounding: the echo run recomputes the prompt the first run may have found cached.
+    assert c.logprobs.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)
     assert echoed.usage.completion_tokens == 4
 
 
