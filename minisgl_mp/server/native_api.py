@@ -29,11 +29,12 @@ from minisgl_mp.server.http_io import SSE_DONE, HttpError, error_body, json_logp
 from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
 from minisgl_mp.tokenizer.requests import (GenerateRequest, RequestError, check_input_ids, check_messages,
-                                           check_rid, make_params)
+                                           check_rid, check_template_kwargs, make_params)
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 NATIVE_FIELDS = frozenset({"text", "input_ids", "messages", "sampling_params", "rid", "stream", "return_logprob",
-                           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"})
+                           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                           "chat_template_kwargs"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def _prompts(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
         raise HttpError("stream must be true or false", param="stream")
     params = _per_prompt(body, "sampling_params", len(items), batched)
     rids = _per_prompt(body, "rid", len(items), batched)
+    template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     reqs = []
     for item, p, rid in zip(items, params, rids):
         if kind == "text" and not isinstance(item, str):
@@ -91,7 +93,8 @@ def _prompts(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
             stream=stream,
             text=item if kind == "text" else None,
             input_ids=check_input_ids(item) if kind == "input_ids" else None,
-            messages=check_messages(item) if kind == "messages" else None))
+            messages=check_messages(item) if kind == "messages" else None,
+            chat_template_kwargs=template_kwargs))
     return reqs, batched
 
 

@@ -19,7 +19,7 @@ from minisgl_mp.server.fanout import Choice
 from minisgl_mp.server.http_io import HttpError
 from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
-from minisgl_mp.tokenizer.requests import RESERVED_TEMPLATE_ARGS, GenerateRequest, RequestError, check_messages
+from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_messages, check_template_kwargs
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
@@ -107,16 +107,6 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
     return _opt_bool(opts, "include_usage"), _opt_bool(opts, "continuous_usage_stats")
 
 
-def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return None
-    if not isinstance(kwargs, dict):
-        raise HttpError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
-    if reserved:
-        raise HttpError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-    return kwargs
 
 
 def sampling_params(fields: dict[str, Any]) -> SamplingParams:
@@ -218,7 +208,7 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
     if "messages" not in body:
         raise HttpError("messages is required", param="messages")
     messages = check_messages(body["messages"])
-    template_kwargs = _chat_template_kwargs(body)
+    template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     n = _n(body, server.max_n)
     stream = _opt_bool(body, "stream")
     usage_opts = _stream_options(body, stream)

@@ -23,8 +23,8 @@ from minisgl_mp.server.openai_protocol import check_model
 from minisgl_mp.server_config import ServerConfig
 from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
-from minisgl_mp.tokenizer.requests import (RESERVED_TEMPLATE_ARGS, GenerateRequest, check_input_ids,
-                                           check_messages, make_params)
+from minisgl_mp.tokenizer.requests import (GenerateRequest, check_input_ids, check_messages, check_template_kwargs,
+                                           make_params)
 
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "chat_template_kwargs", "return_token_strs")
@@ -132,9 +132,7 @@ async def _tokenize(body: dict[str, Any], manager: TokenizerManager) -> list[int
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise HttpError("give exactly one of 'prompt' and 'messages'")
     if body.get("messages") is not None:
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict) or RESERVED_TEMPLATE_ARGS & set(kwargs):
-            raise HttpError("chat_template_kwargs must be an object of template variables", param="chat_template_kwargs")
+        kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
         if body.get("add_generation_prompt") is False:
             raise HttpError("add_generation_prompt: false is not supported", param="add_generation_prompt")
         req = GenerateRequest(rid=None, params=make_params({"max_tokens": 1}),

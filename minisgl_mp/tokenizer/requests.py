@@ -63,6 +63,18 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
+def check_template_kwargs(kwargs: Any) -> dict[str, Any] | None:
+    """chat_template_kwargs: variables for the chat template, none of apply_chat_template's own."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    return kwargs
+
+
 def check_input_ids(ids: Any, param: str = "input_ids") -> list[int]:
     if isinstance(ids, bytes):
         try:
@@ -105,7 +117,8 @@ def make_params(d: Any, default_max_tokens: int | None = None) -> SamplingParams
         raise RequestError(str(e), param="sampling_params") from None
 
 
-GENERATE_FIELDS = frozenset({"rid", "text", "input_ids", "messages", "sampling_params", "stream"})
+GENERATE_FIELDS = frozenset({"rid", "text", "input_ids", "messages", "sampling_params", "stream",
+                             "chat_template_kwargs"})
 
 
 def parse_generate(d: dict[str, Any], default_max_tokens: int | None = None) -> GenerateRequest:
@@ -127,4 +140,5 @@ def parse_generate(d: dict[str, Any], default_max_tokens: int | None = None) -> 
         text=text,
         input_ids=check_input_ids(d["input_ids"]) if d.get("input_ids") is not None else None,
         messages=check_messages(d["messages"]) if d.get("messages") is not None else None,
+        chat_template_kwargs=check_template_kwargs(d.get("chat_template_kwargs")),
     )
