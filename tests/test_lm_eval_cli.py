@@ -44,6 +44,7 @@ def _write_tasks(root: Path) -> Path:
     return tasks
 
 
+@pytest.mark.slow  # ~4 minutes on the shared 2-core machine; test_dialects covers lm-eval's requests and parsers
 @pytest.mark.timeout(600)
 def test_lm_eval_runs_against_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     tasks = _write_tasks(tmp_path)
