@@ -22,9 +22,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    # Both runs prefill the same chunks: prompt log-probabilities cap a step at 512 tokens anyway.
+    ap.add_argument("--max-prefill-tokens", type=int, default=512)
     args = ap.parse_args()
 
-    llm = LLM(args.model, load_format=args.load_format, dtype="float32", num_pages=args.num_prompts * (args.prompt_len + 8))
+    llm = LLM(args.model, load_format=args.load_format, dtype="float32", max_prefill_tokens=args.max_prefill_tokens,
+              num_pages=args.num_prompts * (args.prompt_len + 8))
     vocab = llm.scheduler.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
