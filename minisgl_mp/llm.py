@@ -50,7 +50,7 @@ class LLM:
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
                                                          stop=p.stop, min_tokens=p.min_tokens, prompt_ids=ids[-PROMPT_TAIL_TOKENS:],
                                                          include_stop=p.include_stop_str_in_output)
-                results[rid] = {"token_ids": [], "logprobs": []}
+                results[rid] = {"token_ids": [], "logprobs": [], "prompt_logprobs": []}
         except Exception:
             # One bad prompt fails the whole call: drop the requests already queued by it.
             for rid in rids:
@@ -64,6 +64,7 @@ class LLM:
                     continue
                 res["token_ids"].extend(out.new_token_ids)
                 res["logprobs"].extend(out.logprobs)
+                res["prompt_logprobs"].extend(out.prompt_logprobs)
                 d = detoks.get(out.rid)
                 if d is not None:
                     d.push(visible_ids(out.new_token_ids, out.finished, out.matched_stop, d.include_stop))

@@ -10,6 +10,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
+LOGIT_BIAS_RANGE = 100.0
+LOGIT_BIAS_ALLOWED = f"an object mapping token ids >= 0 to numbers in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -38,6 +41,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Number of top log-probabilities to return per generated token (None: none).
     logprobs: int | None = None
+    # Return the prompt's log-probabilities from this position on (None: none); the top-k of
+    # each is `logprobs` (which must be set). Position 0 has no log-probability.
+    logprob_start_len: int | None = None
+    # Added to the logits before sampling: ((token id, bias), ...); a dict of them is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (JSON, msgpack) and a single stop string; store tuples.
@@ -47,6 +55,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -90,6 +99,16 @@ class SamplingParams:
             raise bad("repetition_penalty", "a number in (0, 2]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"null or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprob_start_len is not None:
+            if not _is_int(self.logprob_start_len) or self.logprob_start_len < 0:
+                raise bad("logprob_start_len", "null or an integer >= 0")
+            if self.logprobs is None:
+                raise ValueError("logprob_start_len needs logprobs (the top-k count, 0 for none)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not _is_num(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {token!r}: {bias!r}")
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +122,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod
@@ -115,3 +135,28 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
+
+
+def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"<token id>": bias} (JSON keys are strings) or [[id, bias], ...] (our wire
+    form) as sorted (id, bias) pairs; raises ValueError naming logit_bias."""
+    if bias is None:
+        return ()
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
+        items = [tuple(p) for p in bias]
+    else:
+        raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {bias!r}")
+    pairs = []
+    for token, value in items:
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)
+        if not _is_int(token):
+            raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {token!r}: {value!r}")
+        if _is_int(value):
+            value = float(value)
+        pairs.append((token, value))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias names a token id more than once")
+    return tuple(sorted(pairs))

@@ -68,7 +68,8 @@ COMPLETION_ROWS = [
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ({"top_k": 0}, "top_k", "-1 (all tokens) or an integer >= 1"),
     ({"max_tokens": "ten"}, "max_tokens", "max_tokens must be an integer >= 1, got 'ten'"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens 0 is only allowed with echo: true"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens must be an integer >= 1"),
     ({"min_tokens": 20, "max_tokens": 5}, "min_tokens", "[0, max_tokens=5]"),
     ({"stop": 5}, "stop", "stop must be a string or a list of non-empty strings"),
     ({"seed": -1}, "seed", "[0, 2^63)"),
@@ -80,7 +81,10 @@ COMPLETION_ROWS = [
     ({"stream": 1}, "stream", "stream must be true or false"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
     ({"ignore_eos": "no"}, "ignore_eos", "ignore_eos must be true or false"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported field(s): logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias", "logit_bias must be an object mapping token ids >= 0 to numbers in [-100, 100]"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias: token id 99999 is outside the vocabulary"),
+    ({"no_stop_trim": True}, "no_stop_trim", "no_stop_trim=True is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
     ({"prompt": {"text": "x"}}, "prompt", "prompt must be a string, a list of strings"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": ""}, "prompt", "the prompt is empty"),
@@ -206,8 +210,10 @@ def test_native_generate_errors(http: httpx.Client) -> None:
     assert "exactly one of" in error_of(http.post("/generate", json={"sampling_params": {}}), 400)["message"]
     err = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {"temperature": -1}}), 400)
     assert "temperature must be a number >= 0" in err["message"]
-    err = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {"temprature": 1}}), 400)
-    assert "unknown sampling parameter(s): temprature" in err["message"]
+    err = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {"max_tokens": 2, "max_new_tokens": 3}}), 400)
+    assert "sets max_tokens twice" in err["message"]
+    err = error_of(http.post("/generate", json={"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}), 400)
+    assert "logprob_start_len (2) must be less than the number of prompt tokens (2)" in err["message"]
 
 
 # ---- errors from the scheduler: a 400, or an SSE error event once a stream has begun --------------

@@ -120,7 +120,7 @@ def test_health_generate_is_503_until_a_token_comes(tokenizer_dir: Path) -> None
         assert (await client.get("/health_generate")).status_code == 200
         # Probes are not requests: the metrics saw none of them.
         metrics = manager.metrics.render().decode()
-        assert 'minisgl_requests_finished_total{model_name="fake-model"} 0.0' in metrics, metrics
+        assert 'sglang:num_requests_total{model_name="fake-model"} 0.0' in metrics, metrics
 
     run_app(tokenizer_dir, scenario, health_timeout=0.3)
 
@@ -158,3 +158,42 @@ def test_a_failing_choice_aborts_the_others(tokenizer_dir: Path) -> None:
         assert len(engine.of(AbortReq)) == 2 and manager.states == {}
 
     run_app(tokenizer_dir, scenario, health_timeout=0.3)
+
+
+# Qwen3's switch, as its chat template has it (the generated model's template has none).
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+@pytest.mark.timeout(60)
+def test_chat_template_kwargs_reach_the_template(tokenizer_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": THINKING_TEMPLATE}))
+    messages = [{"role": "user", "content": "Hi"}]
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    want = hf.encode(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                            enable_thinking=False), add_special_tokens=False)
+    plain = hf.encode(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+    async def scenario(client: httpx.AsyncClient, manager: TokenizerManager, engine: FakeEngine) -> None:
+        for kwargs, expected in [({"enable_thinking": False}, want), (None, plain)]:
+            r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                                "chat_template_kwargs": kwargs})
+            assert r.status_code == 200, r.text
+            assert engine.of(GenerateReq)[-1].input_ids == list(expected)
+        r = await client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.json()["tokens"] == list(want)
+        r = await client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": {"tokenize": True}})
+        assert r.status_code == 400 and "may not set tokenize" in r.json()["error"]["message"]
+
+    assert want != plain
+    run_app(tmp_path, scenario)

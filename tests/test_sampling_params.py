@@ -29,6 +29,9 @@ INVALID: dict[str, tuple[str, list[Any]]] = {
     "frequency_penalty": ("a number in [-2, 2]", [-3, 2.0001, "0"]),
     "repetition_penalty": ("a number in (0, 2]", [0, -1, 2.1, float("inf")]),
     "logprobs": ("null or an integer in [0, 20]", [-1, 21, 1.0, True]),
+    "logprob_start_len": ("null or an integer >= 0", [-1, 1.5, True]),
+    "logit_bias": ("an object mapping token ids >= 0 to numbers in [-100, 100]",
+                   [5, {"x": 1}, {"1": 101}, {"-1": 1}, {"1": "2"}, [[1, 2, 3]]]),
 }
 CASES = [(name, value) for name, (_, values) in INVALID.items() for value in values]
 

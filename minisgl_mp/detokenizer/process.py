@@ -62,7 +62,7 @@ class DetokenizerLoop:
                 rid=o.rid, text=text, new_ids=o.new_ids, finished=o.finished,
                 finish_reason=o.finish_reason, matched_stop=o.matched_stop,
                 prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
-                cached_tokens=o.cached_tokens, logprobs=o.logprobs,
+                cached_tokens=o.cached_tokens, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
             ))
         return BatchTextOut(outs)
 

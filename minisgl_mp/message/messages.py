@@ -74,6 +74,8 @@ class TokenOut:
     cached_tokens: int
     logprobs: list[LogprobEntry]
     detok: DetokParams | None = None
+    # With a request's first output, when it asked for prompt log-probabilities.
+    prompt_logprobs: list[LogprobEntry] | None = None
 
 
 @message("batch_token_out")
@@ -108,6 +110,7 @@ class TextOut:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[LogprobEntry]
+    prompt_logprobs: list[LogprobEntry] | None = None
 
 
 @message("batch_text_out")

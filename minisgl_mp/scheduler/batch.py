@@ -22,7 +22,12 @@ class ScheduledBatch:
     layout: BatchLayout
     input_ids: torch.Tensor
     positions: torch.Tensor
-    logits_indices: torch.Tensor  # rows of the batch's tokens that give the sampled logits
+    # Rows of the batch's tokens that go through the LM head: first one per sampled request
+    # (in `sampled_reqs` order), then the prompt positions of `prompt_logprob_spans`.
+    logits_indices: torch.Tensor
+    # (request, first position, count): prompt positions whose logits this forward returns
+    # after the sampled rows, for prompt log-probabilities. Empty unless a request asked.
+    prompt_logprob_spans: tuple[tuple[Req, int, int], ...] = ()
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -36,6 +41,7 @@ class ScheduledBatch:
 def build_batch(entries: list[tuple[Req, int, bool, torch.Tensor]], device: torch.device) -> ScheduledBatch:
     """entries: (request, tokens to run, is_prefill, their KV slots) in batch order."""
     reqs, lens, prefill, ids, pos, locs, sampled, logit_rows = [], [], [], [], [], [], [], []
+    spans, span_rows = [], []
     offset = 0
     for req, n, is_prefill, out_loc in entries:
         start = req.cached_len
@@ -47,6 +53,12 @@ def build_batch(entries: list[tuple[Req, int, bool, torch.Tensor]], device: torc
         locs.append(out_loc)
         done = start + n == req.seq_len
         sampled.append(done)
+        if is_prefill and req.wants_prompt_logprobs:
+            first = max(start, req.prompt_logprob_pos)
+            last = min(start + n, req.prompt_len - 1)
+            if first < last:
+                spans.append((req, first, last - first))
+                span_rows.extend(range(offset + first - start, offset + last - start))
         offset += n
         if done:
             logit_rows.append(offset - 1)
@@ -62,5 +74,6 @@ def build_batch(entries: list[tuple[Req, int, bool, torch.Tensor]], device: torc
         reqs=reqs, extend_lens=lens, sampled=sampled, prefill=prefill, layout=layout,
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(pos, dtype=torch.int64, device=device),
-        logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(logit_rows + span_rows, dtype=torch.int64, device=device),
+        prompt_logprob_spans=tuple(spans),
     )

@@ -38,12 +38,12 @@ class CacheManager:
 
     # ---- a request's life -----------------------------------------------------------------
     def admit(self, req: Req) -> bool:
-        """Take a page-table row and lock the longest cached prefix (always leaving at least one
-        token to compute). Returns False, changing nothing, when no row is free."""
+        """Take a page-table row and lock the longest cached prefix up to
+        `req.prefix_match_limit`. Returns False, changing nothing, when no row is free."""
         row = self.table.alloc()
         if row is None:
             return False
-        match_ids = torch.tensor(req.token_ids[: req.seq_len - 1], dtype=torch.int64)
+        match_ids = torch.tensor(req.token_ids[: req.prefix_match_limit], dtype=torch.int64)
         handle = self.cache.match_prefix(match_ids).handle
         self.cache.lock(handle)
         n = handle.cached_len

@@ -23,7 +23,7 @@ def order_waiting(waiting: list[Req], policy: str, cache: BasePrefixCache, aging
     fresh = [r for r in waiting if r.waited_rounds < aging_steps]
 
     def hit(r: Req) -> int:
-        ids = torch.tensor(r.token_ids[: r.seq_len - 1], dtype=torch.int64)
+        ids = torch.tensor(r.token_ids[: r.prefix_match_limit], dtype=torch.int64)
         return cache.match_prefix(ids).handle.cached_len
 
     hits = {id(r): hit(r) for r in fresh}
@@ -53,7 +53,7 @@ class InFlightPrefixes:
         self._next += len(ids)
 
     def should_wait(self, req: Req) -> bool:
-        ids = torch.tensor(req.token_ids[: req.seq_len - 1], dtype=torch.int64)
+        ids = torch.tensor(req.token_ids[: req.prefix_match_limit], dtype=torch.int64)
         shared = self.tree.match_prefix(ids).handle.cached_len
         if shared < self.IN_BATCH_SHARE_TOKENS:
             return False

@@ -16,6 +16,7 @@ from minisgl_mp.message.messages import (
 from minisgl_mp.message.transport import PullQueue, PushQueue
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.scheduler.faults import FaultPlan
+from minisgl_mp.scheduler.req import TokenLogprobs
 from minisgl_mp.scheduler.scheduler import ReqOutput, Scheduler
 from minisgl_mp.scheduler.watchdog import Watchdog
 from minisgl_mp.server_config import ServerConfig
@@ -128,10 +129,14 @@ class SchedulerLoop:
             rid=o.rid, new_ids=o.new_token_ids, finished=o.finished, finish_reason=o.finish_reason,
             matched_stop=o.matched_stop, prompt_tokens=o.prompt_tokens,
             completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
-            logprobs=[LogprobEntry(lp.token_logprob, list(lp.top_ids), list(lp.top_logprobs))
-                      for lp in o.logprobs],
+            logprobs=[_entry(lp) for lp in o.logprobs],
             detok=self._detok.pop(o.rid, None),
+            prompt_logprobs=[_entry(lp) for lp in o.prompt_logprobs] if o.prompt_logprobs else None,
         )
+
+
+def _entry(lp: TokenLogprobs) -> LogprobEntry:
+    return LogprobEntry(lp.token_logprob, list(lp.top_ids), list(lp.top_logprobs))
 
 
 def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:

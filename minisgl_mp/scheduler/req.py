@@ -59,6 +59,12 @@ class Req:
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        # Prompt log-probabilities: the logits at position p score prompt token p + 1. This is
+        # the next position whose logits are wanted (None: not asked for); prefill advances it
+        # to prompt_len - 1. They go out with the first output, then the list is emptied.
+        start = params.logprob_start_len
+        self.prompt_logprob_pos: int | None = None if start is None else min(max(start, 1), self.prompt_len) - 1
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def seq_len(self) -> int:
@@ -80,6 +86,18 @@ class Req:
     def remaining_tokens(self) -> int:
         """Tokens this request may still generate."""
         return self.max_seq_len - self.seq_len
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprob_pos is not None and self.prompt_logprob_pos < self.prompt_len - 1
+
+    @property
+    def prefix_match_limit(self) -> int:
+        """How much of the sequence a prefix-cache hit may cover: at least one token is left to
+        compute, and the positions whose prompt log-probabilities are still owed are computed
+        (a cached token's KV is there, but not its logits)."""
+        limit = self.seq_len - 1
+        return min(limit, self.prompt_logprob_pos) if self.wants_prompt_logprobs else limit
 
     @property
     def cache_len(self) -> int:

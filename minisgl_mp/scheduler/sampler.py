@@ -66,11 +66,17 @@ class Sampler:
         return SampleResult(ids, out_logprobs)
 
     def _apply_constraints(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """min_tokens (stop tokens masked) and repetition/presence/frequency penalties; returns a
-        new tensor when anything applies."""
+        """logit_bias, min_tokens (stop tokens masked) and repetition/presence/frequency
+        penalties; returns a new tensor when anything applies. Log-probabilities are reported
+        before these (as vLLM does by default): they describe the model, not the request."""
         touched = False
         for i, r in enumerate(reqs):
             p = r.params
+            if p.logit_bias:
+                if not touched:
+                    logits, touched = logits.clone(), True
+                ids, bias = zip(*p.logit_bias)
+                logits[i, list(ids)] += torch.tensor(bias, device=logits.device, dtype=logits.dtype)
             if r.output_len < p.min_tokens and r.stop_ids:
                 # Ids past the logits (the vocabulary padded smaller than the tokenizer's) can
                 # never be sampled, so there is nothing to mask for them.
@@ -144,6 +150,28 @@ def _logprobs_of(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
         vals, ids = row.topk(k)
         top_ids, top_lps = tuple(ids.tolist()), tuple(vals.tolist())
     return TokenLogprobs(float(row[token]), top_ids, top_lps)
+
+
+def record_prompt_logprobs(spans: tuple[tuple[Req, int, int], ...], logits: torch.Tensor) -> None:
+    """Score the prompt tokens of `spans` with their rows of `logits` (in span order) and
+    append them to each request's `prompt_logprobs`; one log_softmax and one top-k per step."""
+    # logits: [sum of span counts, V] float32; row j of a span (req, first, count) holds the
+    # logits at position first + j, which score prompt token first + j + 1.
+    targets = [t for r, first, n in spans for t in r.token_ids[first + 1 : first + 1 + n]]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    k_max = max(r.params.logprobs or 0 for r, _, _ in spans)
+    top_vals, top_ids = (logprobs.topk(k_max, dim=-1) if k_max else (None, None))
+    top_vals = top_vals.tolist() if top_vals is not None else None
+    top_ids = top_ids.tolist() if top_ids is not None else None
+    row = 0
+    for r, first, n in spans:
+        k = r.params.logprobs or 0
+        for j in range(row, row + n):
+            r.prompt_logprobs.append(TokenLogprobs(
+                chosen[j], tuple(top_ids[j][:k]) if k else (), tuple(top_vals[j][:k]) if k else ()))
+        r.prompt_logprob_pos = first + n
+        row += n
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from minisgl_mp.scheduler.cache_manager import CacheManager
 from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.policy import InFlightPrefixes, order_waiting
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
-from minisgl_mp.scheduler.sampler import SampleResult, Sampler
+from minisgl_mp.scheduler.sampler import SampleResult, Sampler, record_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,12 @@ def is_device_fatal(e: BaseException) -> bool:
     return any(s in text for s in ("AcceleratorError", "CUDA error", "device-side assert", "illegal memory access"))
 
 
+# A prompt whose log-probabilities are wanted prefills at most this many tokens a step: each
+# goes through the LM head, and [tokens, vocab] float32 logits (plus their log_softmax) for a
+# full 8192-token chunk of a 151,936-word vocabulary would take 10 GB.
+PROMPT_LOGPROB_CHUNK = 512
+
+
 @dataclass(frozen=True)
 class ReqOutput:
     """What one step produced for one request."""
@@ -73,6 +79,8 @@ class ReqOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None  # set when the request failed; `finished` is then True
+    # With the first output only: the prompt's log-probabilities, when asked for.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +95,11 @@ class SchedulerStats:
     failed_requests: int = 0
     failed_steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _chunk_len(req: Req, budget: int) -> int:
+    """Prompt tokens of `req` to run this step, within the step's prefill budget."""
+    return min(req.extend_len, budget, PROMPT_LOGPROB_CHUNK if req.wants_prompt_logprobs else budget)
 
 
 class Scheduler:
@@ -130,6 +143,9 @@ class Scheduler:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_len}, "
@@ -176,7 +192,10 @@ class Scheduler:
                 self._forwards += 1
                 self.faults.before("forward", self._forwards)
                 logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
-                result = self._sample(logits, batch.sampled_reqs)
+                num_sampled = len(batch.sampled_reqs)
+                if batch.prompt_logprob_spans:
+                    record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled:])
+                result = self._sample(logits[:num_sampled], batch.sampled_reqs)
                 self._process(batch, result)
                 self._failure_streak = ("", 0)
         except FatalSchedulerError:
@@ -316,7 +335,7 @@ class Scheduler:
         for r in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
-            n = min(r.extend_len, budget)
+            n = _chunk_len(r, budget)
             self._step_reqs.append(r)
             loc = self.kv.reserve(r, n)
             if loc is None:
@@ -343,7 +362,7 @@ class Scheduler:
             if not self.kv.admit(r):
                 break
             self._step_reqs.append(r)  # holds a row and a lock from here
-            n = min(r.extend_len, budget)
+            n = _chunk_len(r, budget)
             loc = None
             if self._future_tokens(r) + reserved <= self.kv.available_tokens or not self.running:
                 loc = self.kv.reserve(r, n)
@@ -413,11 +432,13 @@ class Scheduler:
             req.finish_reason = FinishReason.LENGTH
 
     def _output(self, req: Req, new_ids: list[int], lps: list[TokenLogprobs]) -> ReqOutput:
+        prompt_lps, req.prompt_logprobs = req.prompt_logprobs, []
         return ReqOutput(
             rid=req.rid, new_token_ids=new_ids, logprobs=lps, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
             completion_tokens=req.output_len, cached_tokens=req.prefix_hit_len or 0,
+            prompt_logprobs=prompt_lps,
         )
 
     # ---- health and admin -------------------------------------------------------------------------

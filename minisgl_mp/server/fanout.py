@@ -40,12 +40,14 @@ class ChoiceResult:
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     last: TextOut | None = None
 
     def add(self, out: TextOut) -> None:
         self.text.append(out.text)
         self.ids.extend(out.new_ids)
         self.logprobs.extend(out.logprobs)
+        self.prompt_logprobs.extend(out.prompt_logprobs or ())
         self.last = out
 
 

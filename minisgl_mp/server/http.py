@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions   OpenAI-compatible (openai_protocol, openai_serving)
     GET  /v1/models, /v1/models/{id}
     POST /generate                               SGLang's native shape (native_api)
+    /get_model_info, /get_server_info, /get_load, /version, /abort_request, /tokenize, /detokenize
+                                                 SGLang's and vLLM's helpers (sglang_routes)
     GET  /health                                 200 while the scheduler answers between its steps
     GET  /health_generate                        200 once a one-token generation goes through
     GET  /metrics                                Prometheus text
@@ -32,7 +34,9 @@ from starlette.responses import JSONResponse, Response
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.http_io import (HttpError, SSEResponse, check_api_key, error_response, read_json,
                                        until_disconnect)
+from minisgl_mp.server.metrics import Metrics
 from minisgl_mp.server.native_api import generate_once, generate_stream, parse_native
+from minisgl_mp.server.sglang_routes import add_sglang_routes
 from minisgl_mp.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from minisgl_mp.server.openai_serving import TokenTexts, complete, stream
 from minisgl_mp.server_config import ServerConfig
@@ -43,6 +47,8 @@ logger = logging.getLogger("minisgl_mp.server.http")
 
 # /metrics refreshes its gauges from the scheduler; a slow answer leaves the previous values.
 METRICS_STATS_TIMEOUT_S = 2.0
+# The endpoints whose refusals count in the metrics; /health, /metrics, /get_load ... are probes.
+REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 # Status for a response nobody will read: the client disconnected first (nginx's convention).
 CLIENT_CLOSED = 499
 
@@ -67,9 +73,11 @@ def create_http_server(config: ServerConfig, manager: TokenizerManager) -> uvico
     return _Server(uv_config)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: Metrics | None) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_request: Request, exc: RequestError) -> Response:
+        if metrics is not None and _request.url.path in REQUEST_PATHS:  # probes are not requests
+            metrics.refused(exc.kind)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -91,7 +99,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(config: ServerConfig, manager: TokenizerManager) -> FastAPI:
     server, model = config.server, config.model
     app = FastAPI(title="minisgl_mp", docs_url=None, redoc_url=None, openapi_url=None)
-    _install_error_handlers(app)
+    _install_error_handlers(app, manager.metrics)
     texts = TokenTexts(manager.tokenizer)
     started = int(time.time())
 
@@ -133,11 +141,13 @@ def build_app(config: ServerConfig, manager: TokenizerManager) -> FastAPI:
 
     @api.post("/generate")
     async def generate(request: Request) -> Response:
-        choice = await parse_native(await read_json(request, server.max_payload_bytes), manager)
-        if choice.request.stream:
-            return SSEResponse(generate_stream(choice, manager))
-        result = await until_disconnect(request, generate_once(choice, manager))
+        req = await parse_native(await read_json(request, server.max_payload_bytes), manager)
+        if req.stream:
+            return SSEResponse(generate_stream(req, manager))
+        result = await until_disconnect(request, generate_once(req, manager))
         return JSONResponse(result) if result is not None else Response(status_code=CLIENT_CLOSED)
+
+    add_sglang_routes(api, config, manager)
 
     @app.get("/health")
     async def health() -> Response:
@@ -184,7 +194,7 @@ def build_app(config: ServerConfig, manager: TokenizerManager) -> FastAPI:
             logger.warning("/metrics: gauges not refreshed: %s", e.message)
         return Response(manager.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @api.post("/flush_cache")
+    @api.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both
     async def flush_cache() -> Response:
         reply = await manager.admin("flush_cache")
         if not reply.ok:

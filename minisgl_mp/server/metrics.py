@@ -7,11 +7,18 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# SGLang's default buckets, so its Grafana dashboard's quantiles read the same.
+_TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+                0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
 
 
 class Metrics:
+    """SGLang's metric names and labels (sglang:*, label model_name), so dashboards built for
+    SGLang work unchanged. Health probes and /metrics itself are not requests and are not
+    counted; requests refused before they start are counted by reason (the RequestError kind)."""
+
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -26,21 +33,34 @@ class Metrics:
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
 
-        self.prompt_tokens = counter("minisgl_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("minisgl_generation_tokens", "Generated tokens")
-        self.cached_tokens = counter("minisgl_cached_tokens", "Prompt tokens served from the prefix cache")
-        self.requests = counter("minisgl_requests_finished", "Finished requests")
-        self.request_errors = counter("minisgl_request_errors", "Requests that failed")
-        self.ttft = hist("minisgl_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.itl = hist("minisgl_inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
-        self.e2e = hist("minisgl_e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
-        self.running = gauge("minisgl_num_running_requests", "Requests holding KV in the scheduler")
-        self.queued = gauge("minisgl_num_queued_requests", "Requests waiting in the scheduler")
-        self.kv_usage = gauge("minisgl_kv_token_usage", "Fraction of KV slots in use by requests")
-        self.kv_total = gauge("minisgl_kv_total_tokens", "KV slots in the pool")
-        self.cache_hit_rate = gauge("minisgl_prefix_cache_hit_rate", "Prompt tokens served from the cache / prompt tokens")
-        self.gen_throughput = gauge("minisgl_gen_throughput", "Generated tokens per second over the last interval")
+        self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
+        self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
+        self.requests = counter("sglang:num_requests_total", "Number of requests processed.")
+        self.aborted = counter("sglang:num_aborted_requests_total", "Number of requests aborted.")
+        self.request_errors = counter("sglang:num_failed_requests_total",
+                                      "Requests that failed after they started (not in SGLang).")
+        self._refused = Counter("sglang:num_refused_requests_total",
+                                "Requests refused before they started, by reason (not in SGLang).",
+                                ["model_name", "reason"], registry=r)
+        self._labels = labels
+        self.ttft = hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         _TTFT_BUCKETS)
+        self.itl = hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                        _E2E_BUCKETS)
+        self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.queued = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.kv_used = gauge("sglang:num_used_tokens", "The number of used tokens.")
+        self.kv_usage = gauge("sglang:token_usage", "The token usage.")
+        self.kv_total = gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
         self._last_gen: tuple[float, float] | None = None
+
+    def refused(self, reason: str) -> None:
+        self._refused.labels(**self._labels, reason=reason).inc()
 
     def update_from_stats(self, stats: dict[str, Any], now: float) -> None:
         total = stats.get("total_tokens") or 0
@@ -49,6 +69,7 @@ class Metrics:
         self.kv_total.set(total)
         if total:
             in_use = total - stats.get("free_tokens", 0) - stats.get("evictable_tokens", 0)
+            self.kv_used.set(in_use)
             self.kv_usage.set(in_use / total)
         prompt = stats.get("prefill_tokens", 0) + stats.get("cached_prompt_tokens", 0)
         if prompt:

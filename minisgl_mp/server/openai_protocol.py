@@ -17,17 +17,19 @@ from typing import Any
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.fanout import Choice
 from minisgl_mp.server.http_io import HttpError
+from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
-from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_messages
+from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_messages, check_template_kwargs
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
-                   "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+                   "ignore_eos", "stop_token_ids", "skip_special_tokens", "logit_bias", "include_stop_str_in_output")
 # Other engines' names for a sampling field: SGLang's no_stop_trim is vLLM's include_stop_str_in_output.
 FIELD_ALIASES = {"no_stop_trim": "include_stop_str_in_output"}
-_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS, *FIELD_ALIASES}
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", *SAMPLING_FIELDS, *FIELD_ALIASES}
 COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo"})
-CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                          "chat_template_kwargs"})
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
 MAX_CHAT_TOP_LOGPROBS = 20
 _SEED_MOD = 2**63
@@ -46,18 +48,14 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     logprobs: bool  # choices carry logprobs
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    # max_tokens 0 with echo: score the prompt only. One token is generated (the engine always
+    # samples one) and left out of the response.
+    prompt_only: bool = False
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
-    # Unknown fields set to nothing (null, {}, [], "") are harmless: clients send e.g. "logit_bias": null.
-    unknown = sorted(k for k, v in body.items() if k not in allowed and v not in (None, {}, [], ""))
-    if unknown:
-        raise HttpError(f"unsupported field(s): {', '.join(unknown)}; supported: {', '.join(sorted(allowed))}",
-                        param=unknown[0])
 
 
 def check_model(body: dict[str, Any], model: str) -> None:
@@ -98,16 +96,19 @@ def _n(body: dict[str, Any], max_n: int) -> int:
     return n
 
 
-def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of stream_options."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not stream:
         raise HttpError("stream_options is only allowed with stream: true", param="stream_options")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise HttpError("stream_options must be an object with the one field include_usage",
-                        param="stream_options")
-    return _opt_bool(opts, "include_usage")
+    if not isinstance(opts, dict):
+        raise HttpError("stream_options must be an object", param="stream_options")
+    check_extra_fields(opts, ("include_usage", "continuous_usage_stats"), where="stream_options.")
+    return _opt_bool(opts, "include_usage"), _opt_bool(opts, "continuous_usage_stats")
+
+
 
 
 def with_aliases(body: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +129,8 @@ def sampling_params(fields: dict[str, Any]) -> SamplingParams:
     except (ValueError, TypeError) as e:
         message = str(e)
         first = message.split(" ", 1)[0]
-        raise HttpError(message, param=first if first in SAMPLING_FIELDS or first == "logprobs" else None) from None
+        known = first in SAMPLING_FIELDS or first in ("logprobs", "logprob_start_len")
+        raise HttpError(message, param=first if known else None) from None
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -169,16 +171,17 @@ def _fan_out(prompts: list[tuple[GenerateRequest, list[int], str]], n: int) -> l
     return choices
 
 
-def _new_request(chat: bool, model: str, n: int, choices: list[Choice], stream: bool, include_usage: bool,
-                 logprobs: bool) -> OpenAIRequest:
+def _new_request(chat: bool, model: str, n: int, choices: list[Choice], stream: bool,
+                 usage_opts: tuple[bool, bool], logprobs: bool, prompt_only: bool = False) -> OpenAIRequest:
     prefix = "chatcmpl" if chat else "cmpl"
     return OpenAIRequest(chat=chat, id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=n,
-                         choices=choices, stream=stream, include_usage=include_usage, logprobs=logprobs)
+                         choices=choices, stream=stream, include_usage=usage_opts[0], logprobs=logprobs,
+                         continuous_usage=usage_opts[1], prompt_only=prompt_only)
 
 
 async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
     server, model = manager.config.server, manager.config.model.name
-    check_fields(body, COMPLETION_FIELDS)
+    check_extra_fields(body, COMPLETION_FIELDS)
     body = with_aliases(body)
     check_model(body, model)
     if "prompt" not in body:
@@ -186,10 +189,19 @@ async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> O
     prompts = _prompts(body["prompt"])
     n = _n(body, server.max_n)
     stream = _opt_bool(body, "stream")
-    include_usage = _include_usage(body, stream)
+    usage_opts = _stream_options(body, stream)
     echo = _opt_bool(body, "echo")
     top = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    params = sampling_params({**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top})
+    fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top}
+    # vLLM's way to score a prompt: max_tokens 0 with echo (lm-eval's loglikelihood sends 1).
+    prompt_only = body.get("max_tokens") == 0 and _is_int(body["max_tokens"])
+    if prompt_only:
+        if not echo:
+            raise HttpError("max_tokens 0 is only allowed with echo: true (it scores the prompt)", param="max_tokens")
+        fields.update(max_tokens=1, min_tokens=None)
+    if echo and top is not None:
+        fields["logprob_start_len"] = 0  # the echoed prompt gets its log-probabilities too
+    params = sampling_params(fields)
     manager.admit_check(len(prompts) * n)  # fail fast, before tokenizing anything
     tokenized = []
     for prompt in prompts:
@@ -200,20 +212,21 @@ async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> O
         tokenized.append((req, ids, echoed))
     choices = _fan_out(tokenized, n)
     manager.admit_check(len(choices))
-    return _new_request(False, model, n, choices, stream, include_usage, top is not None)
+    return _new_request(False, model, n, choices, stream, usage_opts, top is not None, prompt_only)
 
 
 async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
     server, model, context_len = manager.config.server, manager.config.model.name, manager.context_len
-    check_fields(body, CHAT_FIELDS)
+    check_extra_fields(body, CHAT_FIELDS)
     body = with_aliases(body)
     check_model(body, model)
     if "messages" not in body:
         raise HttpError("messages is required", param="messages")
     messages = check_messages(body["messages"])
+    template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     n = _n(body, server.max_n)
     stream = _opt_bool(body, "stream")
-    include_usage = _include_usage(body, stream)
+    usage_opts = _stream_options(body, stream)
     want_logprobs = _opt_bool(body, "logprobs")
     top = _opt_int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -233,13 +246,15 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
     params = sampling_params(fields)
     manager.admit_check(n)
     probe = dataclasses.replace(params, max_tokens=1, min_tokens=0) if unlimited else params
-    ids = await _tokenize(manager, GenerateRequest(rid=None, params=probe, stream=stream, messages=messages))
+    ids = await _tokenize(manager, GenerateRequest(rid=None, params=probe, stream=stream, messages=messages,
+                                                   chat_template_kwargs=template_kwargs))
     if unlimited:
         try:
             params = dataclasses.replace(params, max_tokens=context_len - len(ids))
         except ValueError as e:  # min_tokens over what the context leaves
             raise HttpError(str(e), param="min_tokens") from None
-    req = GenerateRequest(rid=None, params=params, stream=stream, messages=messages)
+    req = GenerateRequest(rid=None, params=params, stream=stream, messages=messages,
+                          chat_template_kwargs=template_kwargs)
     choices = _fan_out([(req, ids, "")], n)
     manager.admit_check(len(choices))
-    return _new_request(True, model, n, choices, stream, include_usage, want_logprobs)
+    return _new_request(True, model, n, choices, stream, usage_opts, want_logprobs)

@@ -13,6 +13,7 @@ samples found in the cache (the samples run concurrently and may hit one another
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -43,14 +44,17 @@ class TokenTexts:
 
 
 def usage(req: OpenAIRequest, results: dict[int, ChoiceResult]) -> dict[str, Any]:
+    """Usage so far (the final usage once every choice has finished)."""
     prompt: dict[int, int] = {}
     cached: dict[int, int] = {}
     completion = 0
     for c in req.choices:
         last = results[c.index].last
         if last is None:
+            prompt[c.prompt_index] = len(c.ids)
             continue
-        completion += last.completion_tokens
+        if not req.prompt_only:
+            completion += last.completion_tokens
         prompt[c.prompt_index] = last.prompt_tokens
         cached[c.prompt_index] = min(cached.get(c.prompt_index, last.cached_tokens), last.cached_tokens)
     total_prompt = sum(prompt.values())
@@ -58,12 +62,16 @@ def usage(req: OpenAIRequest, results: dict[int, ChoiceResult]) -> dict[str, Any
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
-def _completion_logprobs(texts: TokenTexts, ids: list[int], entries: list[LogprobEntry],
-                         offset: int, prompt_ids: Sequence[int] = ()) -> tuple[dict[str, Any], int]:
-    """OpenAI's completions logprobs for `ids` (after echoed `prompt_ids`, whose entries are null:
-    prompt log-probabilities are not computed); returns it and the text offset after it."""
+def _completion_logprobs(texts: TokenTexts, ids: list[int], entries: list[LogprobEntry], offset: int,
+                         prompt_ids: Sequence[int] = (), prompt_entries: Sequence[LogprobEntry] = ()
+                         ) -> tuple[dict[str, Any], int]:
+    """OpenAI's completions logprobs for `ids`, after the echoed `prompt_ids` (whose first
+    token has no log-probability: null, as OpenAI and vLLM); returns it and the text offset
+    after it."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    pairs: list[tuple[int, LogprobEntry | None]] = [(t, None) for t in prompt_ids]
+    pairs: list[tuple[int, LogprobEntry | None]] = []
+    if prompt_ids:
+        pairs += zip(prompt_ids, [None, *prompt_entries])
     pairs += zip(ids, entries)
     for token, entry in pairs:
         text = texts(token)
@@ -112,6 +120,8 @@ async def complete(req: OpenAIRequest, manager: TokenizerManager, texts: TokenTe
         r = results[c.index]
         if r.last is None:  # run_choices ends only when every choice has finished
             raise RequestError(f"choice {c.index} ended without an output", kind="internal")
+        if req.prompt_only:
+            r.text, r.ids, r.logprobs = [], [], []
         text = c.echo + "".join(r.text)
         choice: dict[str, Any] = {"index": c.index}
         if req.chat:
@@ -119,8 +129,8 @@ async def complete(req: OpenAIRequest, manager: TokenizerManager, texts: TokenTe
             choice["logprobs"] = _chat_logprobs(texts, r.ids, r.logprobs) if req.logprobs else None
         else:
             choice["text"] = text
-            choice["logprobs"] = (_completion_logprobs(texts, r.ids, r.logprobs, 0, c.ids if c.echo else [])[0]
-                                  if req.logprobs else None)
+            choice["logprobs"] = (_completion_logprobs(texts, r.ids, r.logprobs, 0, c.ids if c.echo else [],
+                                                       r.prompt_logprobs)[0] if req.logprobs else None)
         choices.append({**choice, **_finish(r.last)})
     return {**_head(req, chunk=False), "choices": choices, "usage": usage(req, results)}
 
@@ -136,6 +146,8 @@ class _StreamState:
 
 def _chunk_choice(req: OpenAIRequest, st: _StreamState, out: TextOut, texts: TokenTexts) -> dict[str, Any] | None:
     """One choice's part of a stream chunk, or None when `out` brings nothing to send."""
+    if req.prompt_only:
+        out = dataclasses.replace(out, text="", new_ids=[], logprobs=[])
     if not (out.text or out.logprobs or out.finished or st.echo_pending):
         return None
     c = st.choice
@@ -148,15 +160,18 @@ def _chunk_choice(req: OpenAIRequest, st: _StreamState, out: TextOut, texts: Tok
     if st.echo_pending:
         text, st.echo_pending = c.echo + text, False
     if req.logprobs:
-        logprobs, st.offset = _completion_logprobs(texts, out.new_ids, out.logprobs, st.offset, prompt_ids)
+        logprobs, st.offset = _completion_logprobs(texts, out.new_ids, out.logprobs, st.offset, prompt_ids,
+                                                   out.prompt_logprobs or ())
     return {"index": c.index, "text": text, "logprobs": logprobs, **_finish(out)}
 
 
 async def stream(req: OpenAIRequest, manager: TokenizerManager, texts: TokenTexts) -> AsyncIterator[bytes]:
     head = _head(req, chunk=True)
-    extra = {"usage": None} if req.include_usage else {}
+    extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
     results = {c.index: ChoiceResult() for c in req.choices}
     states = {c.index: _StreamState(c) for c in req.choices}
+    if req.continuous_usage:
+        extra = {"usage": usage(req, results)}
     try:
         if req.chat:
             for c in req.choices:
@@ -167,6 +182,8 @@ async def stream(req: OpenAIRequest, manager: TokenizerManager, texts: TokenText
                 results[index].add(out)
                 part = _chunk_choice(req, states[index], out, texts)
                 if part is not None:
+                    if req.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
+                        extra = {"usage": usage(req, results)}
                     yield sse({**head, "choices": [part], **extra})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage(req, results)})

@@ -90,7 +90,8 @@ class TokenizerManager:
                 raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
         elif req.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True,
+                                                          **(req.chat_template_kwargs or {}))
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault
                 raise RequestError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
             ids = await self._encode(text, add_special_tokens=False)
@@ -98,6 +99,10 @@ class TokenizerManager:
             ids = await self._encode(req.text or "", add_special_tokens=True)
         if not ids:
             raise RequestError("the prompt is empty: at least one token is needed", param="prompt")
+        bad = next((t for t, _ in req.params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="logit_bias")
         self.check_length(len(ids), req.params.max_tokens)
         return ids
 
@@ -166,6 +171,8 @@ class TokenizerManager:
             del self.states[rid]
             if state.submitted and not state.finished:
                 self.spawn(self.to_scheduler.put(AbortReq(rid)))
+                if self.metrics and not probe:
+                    self.metrics.aborted.inc()
 
     @property
     def num_user_requests(self) -> int:
@@ -181,7 +188,7 @@ class TokenizerManager:
 
     def _observe(self, state: _ReqState, out: TextOut) -> None:
         now = time.perf_counter()
-        m = self.metrics
+        m = None if state.probe else self.metrics
         if m is not None and out.new_ids:
             if state.last_output is None:
                 m.ttft.observe(now - state.created)
@@ -195,6 +202,8 @@ class TokenizerManager:
         if m is not None and out.finished:
             m.e2e.observe(now - state.created)
             m.requests.inc()
+            if out.finish_reason == "abort":
+                m.aborted.inc()
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
 

@@ -6,33 +6,20 @@ are checked by the same rules and fail with the same messages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from minisgl_mp.message.codec import WireError, unpack_ids
 from minisgl_mp.sampling_params import SamplingParams
+from minisgl_mp.tokenizer.errors import RequestError
+from minisgl_mp.tokenizer.fields import check_extra_fields
 
 MAX_RID_CHARS = 128
+# apply_chat_template's own arguments: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                                    "return_tensors", "chat_template", "tools", "documents", "padding",
+                                    "truncation", "max_length", "continue_final_message", "tokenizer_kwargs"})
 ADMIN_COMMANDS = ("stats", "flush_cache", "check_health", "ping")
-
-
-class RequestError(Exception):
-    """A request that fails; `kind` maps to an HTTP status and an OpenAI error type."""
-
-    STATUS = {"invalid_request": 400, "unauthorized": 401, "not_found": 404,
-              "payload_too_large": 413, "overloaded": 503, "unavailable": 503, "internal": 500}
-
-    def __init__(self, message: str, kind: str = "invalid_request", param: str | None = None,
-                 retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.kind = kind
-        self.param = param
-        self.retry_after = retry_after  # seconds, sent as Retry-After with a 503
-
-    @property
-    def status(self) -> int:
-        return self.STATUS.get(self.kind, 500)
 
 
 @dataclass(frozen=True)
@@ -45,6 +32,8 @@ class GenerateRequest:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    # Extra variables for the chat template, e.g. {"enable_thinking": False} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def check_rid(rid: Any) -> str | None:
@@ -74,6 +63,18 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
+def check_template_kwargs(kwargs: Any) -> dict[str, Any] | None:
+    """chat_template_kwargs: variables for the chat template, none of apply_chat_template's own."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    return kwargs
+
+
 def check_input_ids(ids: Any, param: str = "input_ids") -> list[int]:
     if isinstance(ids, bytes):
         try:
@@ -85,17 +86,45 @@ def check_input_ids(ids: Any, param: str = "input_ids") -> list[int]:
     return ids
 
 
-def make_params(d: Any) -> SamplingParams:
-    if isinstance(d, dict) and "no_stop_trim" in d:  # SGLang's name for include_stop_str_in_output
-        d = {k: v for k, v in d.items() if k != "no_stop_trim"} | {"include_stop_str_in_output": d["no_stop_trim"]}
+# SGLang's names for our sampling parameters; both are accepted.
+SGLANG_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+                      "no_stop_trim": "include_stop_str_in_output"}
+SAMPLING_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams)) - {"logprob_start_len"}
+
+
+def make_params(d: Any, default_max_tokens: int | None = None) -> SamplingParams:
+    """SamplingParams from a client's `sampling_params`, in our names or SGLang's (null values
+    are left at their defaults); unknown names are ignored and logged once."""
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(d).__name__}", param="sampling_params")
+    known = {k: v for k, v in d.items() if k in SAMPLING_PARAM_NAMES or k in SGLANG_PARAM_NAMES}
+    check_extra_fields({k: v for k, v in d.items() if k not in known}, (), where="sampling_params.")
+    out: dict[str, Any] = {}
+    for name, value in known.items():
+        ours = SGLANG_PARAM_NAMES.get(name, name)
+        if value is None:
+            continue
+        if ours in out:
+            raise RequestError(f"sampling_params sets {ours} twice (as {ours} and as its SGLang name)",
+                               param="sampling_params")
+        out[ours] = value
+    if default_max_tokens is not None:
+        out.setdefault("max_tokens", default_max_tokens)
     try:
-        return SamplingParams.from_dict({} if d is None else d)
+        return SamplingParams.from_dict(out)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e), param="sampling_params") from None
 
 
-def parse_generate(d: dict[str, Any]) -> GenerateRequest:
-    """The native request of the ZMQ endpoint (and of HTTP /generate, in SGLang's shape)."""
+GENERATE_FIELDS = frozenset({"rid", "text", "input_ids", "messages", "sampling_params", "stream",
+                             "chat_template_kwargs"})
+
+
+def parse_generate(d: dict[str, Any], default_max_tokens: int | None = None) -> GenerateRequest:
+    """The native request of the ZMQ endpoint: one prompt; unknown fields are ignored."""
+    check_extra_fields(d, GENERATE_FIELDS)
     prompts = [k for k in ("text", "input_ids", "messages") if d.get(k) is not None]
     if len(prompts) != 1:
         raise RequestError("give exactly one of 'text', 'input_ids' and 'messages'")
@@ -107,9 +136,10 @@ def parse_generate(d: dict[str, Any]) -> GenerateRequest:
         raise RequestError("text must be a string", param="text")
     return GenerateRequest(
         rid=check_rid(d.get("rid")),
-        params=make_params(d.get("sampling_params")),
+        params=make_params(d.get("sampling_params"), default_max_tokens),
         stream=stream,
         text=text,
         input_ids=check_input_ids(d["input_ids"]) if d.get("input_ids") is not None else None,
         messages=check_messages(d["messages"]) if d.get("messages") is not None else None,
+        chat_template_kwargs=check_template_kwargs(d.get("chat_template_kwargs")),
     )
