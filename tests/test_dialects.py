@@ -165,9 +165,19 @@ def test_openai_sdk_options(server: ServerProcess, client: openai.OpenAI) -> Non
                     "some_future_field": 1})
     assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "length"
 
-    with pytest.raises(openai.BadRequestError, match="no_stop_trim=True is not supported"):
+    # A field known but not implemented is refused at a value that would change the answer.
+    with pytest.raises(openai.BadRequestError, match="lora_path='adapter' is not supported"):
         client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=2, extra_body={"no_stop_trim": True})
+                                       max_tokens=2, extra_body={"lora_path": "adapter"})
+    # no_stop_trim (SGLang) and include_stop_str_in_output (vLLM) keep the matched stop string.
+    free = client.completions.create(model=server.model, prompt="Hello", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[4:6]
+    cut = free[: free.index(stop)]
+    for extra, want in (({}, cut), ({"no_stop_trim": True}, cut + stop), ({"include_stop_str_in_output": True}, cut + stop)):
+        got = client.completions.create(model=server.model, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True, **extra}).choices[0]
+        assert (got.text, got.finish_reason) == (want, "stop"), (extra, free, stop)
 
 
 @pytest.mark.timeout(TIMEOUT)

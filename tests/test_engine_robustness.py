@@ -174,3 +174,26 @@ def test_stop_strings_are_trimmed_unless_kept(llm: LLM) -> None:
                                                        include_stop_str_in_output=True))[0]
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
     assert kept["text"] == text[: text.index(stop) + len(stop)]
+
+
+def test_a_device_error_is_fatal_and_a_memory_error_is_not(tiny_model_dir: Path, monkeypatch: Any) -> None:
+    """After CUDA's sticky errors the device cannot be trusted: the scheduler stops (the process
+    exits naming it). Running out of memory only fails the batch."""
+    from minisgl_mp.scheduler.scheduler import FatalSchedulerError
+
+    llm = LLM(str(tiny_model_dir), num_pages=1024)
+    real = llm.scheduler.runner.forward
+    errors = iter([MemoryError("the CPU attention kernel could not allocate its scratch space"),
+                   RuntimeError("CUDA error: an illegal memory access was encountered")])
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise next(errors)
+
+    monkeypatch.setattr(llm.scheduler.runner, "forward", forward)
+    out = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert out["finish_reason"] == "error" and "MemoryError" in out["error"]
+    assert_whole(llm)
+    llm.scheduler.add_request("r", [5, 6, 7], GREEDY)
+    with pytest.raises(FatalSchedulerError, match="unrecoverable device error: RuntimeError: CUDA error"):
+        llm.scheduler.step()
+    monkeypatch.setattr(llm.scheduler.runner, "forward", real)

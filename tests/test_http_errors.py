@@ -83,7 +83,7 @@ COMPLETION_ROWS = [
     ({"ignore_eos": "no"}, "ignore_eos", "ignore_eos must be true or false"),
     ({"logit_bias": {"1": 500}}, "logit_bias", "logit_bias must be an object mapping token ids >= 0 to numbers in [-100, 100]"),
     ({"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias: token id 99999 is outside the vocabulary"),
-    ({"no_stop_trim": True}, "no_stop_trim", "no_stop_trim=True is not supported"),
+    ({"lora_path": "x"}, "lora_path", "lora_path='x' is not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
     ({"prompt": {"text": "x"}}, "prompt", "prompt must be a string, a list of strings"),
     ({"prompt": []}, "prompt", "non-empty"),
