@@ -11,26 +11,16 @@ the kernel is still faster: `attention/cpu.py`'s KERNEL_MAX_QUERY is set from it
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from minisgl_mp.attention.base import BatchLayout, ForwardMode
 from minisgl_mp.attention.cpu import CpuBackend
 from minisgl_mp.attention.sdpa import SdpaBackend
+from minisgl_mp.bench.decode_floor import median_ms
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -65,7 +55,7 @@ def main() -> None:
         times = []
         for backend in (kernel, sdpa):
             meta = backend.prepare(layout)
-            times.append(median_ms(lambda: backend.forward(q, k, v, 0, meta), args.reps))
+            times.append(median_ms(lambda: backend.forward(q, k, v, 0, meta), args.reps, warmup=1))
         print(f"{n:>10} {times[0]:>10.2f} {times[1]:>10.2f}")
         still_faster = still_faster and times[0] < times[1]
         if still_faster:

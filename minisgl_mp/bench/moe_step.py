@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from minisgl_mp.bench.decode_floor import median_ms
 from minisgl_mp.layers.linear import Linear
 from minisgl_mp.layers.mlp import GatedMLP
 from minisgl_mp.models.config import ModelConfig
@@ -29,16 +28,6 @@ from minisgl_mp.models.qwen3_moe import Qwen3MoeSparseBlock
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen3-30B-A3B.json"
 
-
-def median_ms(fn, reps: int) -> float:  # noqa: ANN001
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

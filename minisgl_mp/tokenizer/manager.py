@@ -174,10 +174,6 @@ class TokenizerManager:
                 if self.metrics and not probe:
                     self.metrics.aborted.inc()
 
-    @property
-    def num_user_requests(self) -> int:
-        return sum(not s.probe for s in self.states.values())
-
     async def abort_all(self) -> int:
         """Abort every request in flight (shutdown): each ends with finish_reason "abort"."""
         states = [(rid, s) for rid, s in self.states.items() if s.submitted and not s.finished and not s.abort_sent]
