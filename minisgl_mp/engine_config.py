@@ -12,6 +12,7 @@ CACHE_TYPES = ("radix", "naive")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "none")
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
@@ -49,6 +50,9 @@ class EngineConfig:
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
+    # Structured output
+    grammar_backend: str = field(default="auto", metadata=_help("grammar engine for json_schema / regex / ebnf / response_format: xgrammar, none (such requests are refused), auto (xgrammar when installed)"))
+    constrained_json_any_whitespace: bool = field(default=False, metadata=_help("let JSON output put any whitespace between tokens (SGLang's and vLLM's default); off: compact JSON, since a model that likes whitespace can fill max_tokens with it"))
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -71,6 +75,7 @@ class EngineConfig:
         check(self.max_prefill_streak >= 1, "max_prefill_streak must be >= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
+        check(self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -46,6 +47,12 @@ class SamplingParams:
     logprob_start_len: int | None = None
     # Added to the logits before sampling: ((token id, bias), ...); a dict of them is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output (SGLang's names; at most one): the output must match a JSON schema
+    # (JSON text; an object is serialized), a regex, or an EBNF grammar. The grammar's end is
+    # the request's end (finish_reason "stop").
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON, msgpack) and a single stop string; store tuples.
@@ -56,6 +63,8 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         self._validate()
 
     def _validate(self) -> None:
@@ -109,10 +118,32 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0 or not _is_num(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"logit_bias must be {LOGIT_BIAS_ALLOWED}, got {token!r}: {bias!r}")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        """Shape only; the grammar engine checks the grammar itself (a 400 that names it)."""
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        for name in given:
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+        if len(given) > 1:
+            raise ValueError(f"json_schema, regex and ebnf are exclusive: give one, got {', '.join(given)}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from minisgl_mp.constrained.base import create_grammar_backend
 from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine.tokenizer import load_tokenizer
@@ -72,7 +73,9 @@ def build_scheduler(config: EngineConfig, progress: bool = True,
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
                          parts.context_len, progress=progress)
     make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
-    return Scheduler(config, runner, parts.eos_ids, make_checker, faults), tokenizer
+    grammar = create_grammar_backend(config.grammar_backend, tokenizer, parts.model_config.vocab_size, parts.eos_ids,
+                                     config.constrained_json_any_whitespace)
+    return Scheduler(config, runner, parts.eos_ids, make_checker, faults, grammar), tokenizer
 
 
 def stop_checker(tokenizer: Any, req: Req) -> IncrementalDetokenizer:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any
 
+from minisgl_mp.constrained.base import GrammarMatcher
 from minisgl_mp.kvcache.base import CacheHandle
 from minisgl_mp.sampling_params import SamplingParams
 
@@ -65,6 +67,12 @@ class Req:
         start = params.logprob_start_len
         self.prompt_logprob_pos: int | None = None if start is None else min(max(start, 1), self.prompt_len) - 1
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # Structured output: the compile under way (the request waits outside the waiting
+        # queue until it is done), then this request's matcher. The matcher has accepted exactly
+        # the output tokens: retraction keeps them (resuming recomputes their KV, it does not
+        # sample them again), so it never needs a rebuild.
+        self.grammar_future: Future[Any] | None = None
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def seq_len(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl_mp.constrained.base import GrammarBackend
 from minisgl_mp.scheduler.req import Req, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -32,8 +33,10 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0,
+                 grammar: GrammarBackend | None = None) -> None:
         self.vocab_size = vocab_size
+        self.grammar = grammar
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -42,6 +45,9 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._apply_constraints(logits, reqs)
+        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if grammar_rows:  # an unconstrained batch never touches the grammar backend
+            self.grammar.fill_and_apply(logits, [reqs[i].grammar for i in grammar_rows], grammar_rows)
 
         greedy = [r.params.greedy for r in reqs]
         next_ids = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
@@ -77,7 +83,9 @@ class Sampler:
                     logits, touched = logits.clone(), True
                 ids, bias = zip(*p.logit_bias)
                 logits[i, list(ids)] += torch.tensor(bias, device=logits.device, dtype=logits.dtype)
-            if r.output_len < p.min_tokens and r.stop_ids:
+            # With a grammar, the grammar says when the output may end: masking its stop token
+            # where it is the only one allowed would leave nothing to sample.
+            if r.output_len < p.min_tokens and r.stop_ids and r.grammar is None:
                 # Ids past the logits (the vocabulary padded smaller than the tokenizer's) can
                 # never be sampled, so there is nothing to mask for them.
                 stop = sorted(t for t in r.stop_ids if 0 <= t < logits.shape[1])

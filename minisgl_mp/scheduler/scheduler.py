@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
+from minisgl_mp.constrained.base import GrammarBackend, grammar_key
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kvcache.allocator import PageAllocator
@@ -63,6 +65,11 @@ def is_device_fatal(e: BaseException) -> bool:
 # goes through the LM head, and [tokens, vocab] float32 logits (plus their log_softmax) for a
 # full 8192-token chunk of a 151,936-word vocabulary would take 10 GB.
 PROMPT_LOGPROB_CHUNK = 512
+# With nothing to run but grammars compiling, a step waits this long for one to finish
+# rather than spin.
+GRAMMAR_WAIT_S = 0.01
+NO_GRAMMAR_BACKEND = ("structured output (json_schema, regex, ebnf, response_format) is off: "
+                      "this server runs with --grammar-backend none")
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class ReqOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None  # set when the request failed; `finished` is then True
+    error_kind: str = "internal"  # "invalid_request": the request's fault (its grammar), a 400
     # With the first output only: the prompt's log-probabilities, when asked for.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -104,7 +112,8 @@ def _chunk_len(req: Req, budget: int) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, eos_ids: frozenset[int],
-                 make_stop_checker: Callable[[Req], Any] | None = None, faults: FaultPlan | None = None) -> None:
+                 make_stop_checker: Callable[[Req], Any] | None = None, faults: FaultPlan | None = None,
+                 grammar: GrammarBackend | None = None) -> None:
         self.config = config
         self.runner = runner
         self.device = runner.device
@@ -114,8 +123,11 @@ class Scheduler:
         allocator = PageAllocator(runner.num_pages, config.page_size, self.device)
         cache = create_prefix_cache(config.cache_type, config.page_size, self.device)
         self.kv = CacheManager(allocator, cache, runner.req_table)
-        self.sampler = Sampler(runner.model_config.vocab_size, self.device, config.seed)
+        self.grammar = grammar
+        self.sampler = Sampler(runner.model_config.vocab_size, self.device, config.seed, grammar)
         self.waiting: deque[Req] = deque()
+        # Requests whose grammar is still compiling, in arrival order; they join `waiting` when it is done.
+        self.grammar_queue: list[Req] = []
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
@@ -154,12 +166,49 @@ class Scheduler:
         pool_tokens = self.kv.allocator.num_slots
         if len(prompt_ids) >= pool_tokens:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV pool holds only {pool_tokens}")
+        key = grammar_key(params)
+        if key is not None:
+            if self.grammar is None:
+                raise ValueError(NO_GRAMMAR_BACKEND)
+            self.grammar.validate(key)
         max_seq_len = min(self.context_len, len(prompt_ids) + params.max_tokens, pool_tokens)
         req = Req(rid, prompt_ids, params, max_seq_len, self.eos_ids)
         if params.stop and self.make_stop_checker is not None:
             req.stop_checker = self.make_stop_checker(req)
         self.reqs[rid] = req
-        self.waiting.append(req)
+        if key is None:
+            self.waiting.append(req)
+        else:
+            req.grammar_future = self.grammar.compile(key)
+            self.grammar_queue.append(req)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Raise ValueError if `params`' grammar is invalid (or there is no grammar backend), and
+        start compiling a valid one, so the request that follows finds it ready."""
+        key = grammar_key(params)
+        if key is None:
+            return
+        if self.grammar is None:
+            raise ValueError(NO_GRAMMAR_BACKEND)
+        self.grammar.validate(key)
+        self.grammar.compile(key)
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is ready to the waiting queue; a grammar that failed to
+        compile ends its request with an invalid_request error."""
+        for req in [r for r in self.grammar_queue if r.grammar_future.done()]:
+            self.grammar_queue.remove(req)
+            fut, req.grammar_future = req.grammar_future, None
+            err = fut.exception()
+            if err is None:
+                req.grammar = self.grammar.matcher(fut.result())
+                self.waiting.append(req)
+                continue
+            req.finish_reason = FinishReason.ABORT
+            del self.reqs[req.rid]
+            message = str(err) if isinstance(err, ValueError) else f"the grammar failed to compile: {err!r}"
+            self._pending_outputs.append(replace(self._output(req, [], []), error=message,
+                                                 error_kind="invalid_request"))
 
     def abort(self, rid: str) -> bool:
         """Stop a request wherever it is, freeing its KV. False if the id is unknown."""
@@ -169,6 +218,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req)
+        elif req in self.grammar_queue:
+            self.grammar_queue.remove(req)  # its compile goes on: the grammar is cached for others
         else:
             self.waiting.remove(req)
         req.finish_reason = FinishReason.ABORT
@@ -179,7 +230,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_outputs)
+        return bool(self.waiting or self.running or self._pending_outputs or self.grammar_queue)
 
     # ---- the loop body --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
@@ -187,6 +238,8 @@ class Scheduler:
         self._failed_this_step = False
         batch = None
         try:
+            if self.grammar_queue:
+                self._admit_compiled()
             batch = self._schedule()
             if batch is not None:
                 self._forwards += 1
@@ -202,6 +255,8 @@ class Scheduler:
             raise
         except Exception as e:  # noqa: BLE001 - one failed step costs its requests, not the server
             self._fail_step(e, batch.reqs if batch is not None else self._step_reqs)
+        if batch is None and self.grammar_queue and not self._pending_outputs:
+            wait([r.grammar_future for r in self.grammar_queue], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         if self._failed_this_step:
             self._check_after_failure()
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -233,6 +288,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.grammar_queue:
+            self.grammar_queue.remove(req)
         try:
             self.kv.release(req, keep_in_cache=False)
         except Exception:  # noqa: BLE001 - the accounting check that follows names any leak
@@ -412,6 +469,8 @@ class Scheduler:
         req.token_ids.append(token)
         if lp is not None:
             req.logprobs.append(lp)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            raise RuntimeError(f"the grammar does not allow the sampled token {token}")
         self._check_finished(req, token)
         self._pending_outputs.append(self._output(req, [token], [lp] if lp is not None else []))
         if req.finished:
@@ -423,6 +482,9 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> None:
         past_min = req.output_len >= req.params.min_tokens
         if token in req.stop_ids and past_min:
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
+        elif req.grammar is not None and req.grammar.is_terminated():
+            # The grammar ended on its stop token (with ignore_eos, that token is not in stop_ids).
             req.finish_reason, req.matched_stop = FinishReason.STOP, token
         elif req.stop_checker is not None:
             req.stop_checker.push([token])
@@ -464,6 +526,9 @@ class Scheduler:
         return {
             **self.kv.stats(),
             "running": len(self.running), "waiting": len(self.waiting),
+            "grammar_waiting": len(self.grammar_queue),
+            "grammar_cached": self.grammar.num_cached if self.grammar else 0,
+            "grammar_cache_hits": self.grammar.cache_hits if self.grammar else 0,
             "steps": s.steps, "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
             "cached_prompt_tokens": s.cached_prompt_tokens, "retractions": s.retractions,
             "finished": s.finished, "aborted": s.aborted,

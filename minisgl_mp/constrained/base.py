@@ -1,0 +1,151 @@
+"""The grammar backend interface and its cache of compiled grammars.
+
+Contract:
+- `validate(key)` parses the grammar without the vocabulary (fast, on the caller's thread) and
+  raises ValueError naming the problem; it is what turns a bad schema into a 400.
+- `compile(key)` returns a Future of the compiled grammar. Compilation runs in a thread pool,
+  never on the scheduler's step; a request waits outside the waiting queue until its future is
+  done. Futures are cached by key (finished ones in LRU order, failures too: they are as
+  deterministic as successes), so concurrent requests with one schema compile it once.
+- `matcher(compiled)` is one request's state: it accepts each sampled token and fills that
+  request's row of the token bitmask.
+- The bitmask is filled and applied only for constrained rows; an unconstrained batch never
+  calls the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from minisgl_mp.engine_config import GRAMMAR_BACKENDS
+from minisgl_mp.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SamplingParams' field names
+MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarKey(NamedTuple):
+    kind: str  # one of GRAMMAR_KINDS
+    spec: str  # the schema (JSON text), the regex, or the EBNF
+
+
+def grammar_key(params: SamplingParams) -> GrammarKey | None:
+    """The request's constraint, if any (SamplingParams allows at most one)."""
+    for kind in GRAMMAR_KINDS:
+        spec = getattr(params, kind)
+        if spec is not None:
+            return GrammarKey(kind, spec)
+    return None
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def accept_token(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (bit set = allowed)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar has ended (it accepted its stop token)."""
+
+
+class GrammarBackend(ABC):
+    def __init__(self, max_workers: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is touched by the scheduler and done-callbacks
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    # ---- what a backend implements ----------------------------------------------------------
+    @abstractmethod
+    def validate(self, key: GrammarKey) -> None:
+        """Raise ValueError naming what is wrong with the grammar."""
+
+    @abstractmethod
+    def _compile(self, key: GrammarKey) -> Any:
+        """The compiled grammar (runs in the pool); raises ValueError for a bad grammar."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        ...
+
+    @abstractmethod
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask of `rows` rows ([rows, ceil(vocab / 32)] int32), every token allowed."""
+
+    @abstractmethod
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """In place, for each i in rows: logits[i, t] = -inf where bit t of bitmask[i] is clear."""
+
+    # ---- the cache ----------------------------------------------------------------------------
+    def compile(self, key: GrammarKey) -> Future[Any]:
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+                return fut
+            self.cache_misses += 1
+            fut = self._pool.submit(self._compile, key)
+            self._cache[key] = fut
+            self._evict()
+        return fut
+
+    def _evict(self) -> None:
+        # Only finished entries go: an unfinished one has requests waiting on it.
+        excess = len(self._cache) - MAX_CACHED_GRAMMARS
+        for k in [k for k, f in self._cache.items() if f.done()][: max(0, excess)]:
+            del self._cache[k]
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def fill_and_apply(self, logits: torch.Tensor, matchers: list[GrammarMatcher], rows: list[int]) -> None:
+        """Mask logits[rows[j]] with matchers[j]'s allowed tokens, in place."""
+        # logits: [B, V]; bitmask rows line up with logits rows, only `rows` are filled.
+        bitmask = self.allocate_bitmask(logits.shape[0])
+        for m, i in zip(matchers, rows):
+            m.fill_bitmask(bitmask, i)
+        self.apply_bitmask(logits, bitmask, rows)
+
+
+def create_grammar_backend(name: str, tokenizer: Any | None, vocab_size: int, stop_token_ids: frozenset[int],
+                           any_whitespace: bool = False) -> GrammarBackend | None:
+    """The backend `name` ("auto": xgrammar when installed), or None for "none" (constrained
+    requests are then refused). `vocab_size` is the model's: it may exceed the tokenizer's, and
+    the padding rows are never allowed."""
+    if name not in GRAMMAR_BACKENDS:
+        raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {name!r}")
+    if name == "none":
+        return None
+    if tokenizer is None:
+        if name == "xgrammar":
+            raise ValueError("--grammar-backend xgrammar needs the model's tokenizer, and this model has none")
+        return None
+    try:
+        from minisgl_mp.constrained.xgrammar_backend import XGrammarBackend
+    except ImportError as e:
+        if name == "xgrammar":
+            raise ValueError(f"--grammar-backend xgrammar: the xgrammar package cannot be imported ({e})") from e
+        logger.warning("xgrammar is not installed: structured output is off (--grammar-backend none)")
+        return None
+    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, any_whitespace)
