@@ -38,6 +38,16 @@ class AdminReq:
     command: str  # "ping", "stats", "flush_cache", "check_health"
 
 
+@message("check_grammar")
+class CheckGrammarReq:
+    """Is this request's grammar valid? Answered at once with an AdminReply (ok, or
+    {"error": ...}) and its compile started, so that a bad one is a 400 before any response
+    begins (a stream's status line included)."""
+
+    rid: str
+    sampling_params: dict[str, Any]
+
+
 @message("shutdown")
 class ShutdownReq:
     reason: str
@@ -118,7 +128,7 @@ class BatchTextOut:
     outputs: list[TextOut]
 
 
-SCHEDULER_CHANNEL = Channel("scheduler", GenerateReq, AbortReq, AdminReq, ShutdownReq,
+SCHEDULER_CHANNEL = Channel("scheduler", GenerateReq, AbortReq, AdminReq, CheckGrammarReq, ShutdownReq,
                             max_bytes=INTERNAL_MAX_BYTES)
 DETOKENIZER_CHANNEL = Channel("detokenizer", BatchTokenOut, ReqError, AdminReply, ShutdownReq,
                               max_bytes=INTERNAL_MAX_BYTES)

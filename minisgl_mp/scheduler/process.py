@@ -11,7 +11,7 @@ import zmq
 from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS
 from minisgl_mp.message.messages import (
     DETOKENIZER_CHANNEL, SCHEDULER_CHANNEL, AbortReq, AdminReply, AdminReq, BatchTokenOut,
-    DetokParams, GenerateReq, LogprobEntry, ReqError, ShutdownReq, TokenOut,
+    CheckGrammarReq, DetokParams, GenerateReq, LogprobEntry, ReqError, ShutdownReq, TokenOut,
 )
 from minisgl_mp.message.transport import PullQueue, PushQueue
 from minisgl_mp.sampling_params import SamplingParams
@@ -67,7 +67,7 @@ class SchedulerLoop:
         for o in outputs:
             if o.error is not None:  # after its tokens so far, in the order they happened
                 self._detok.pop(o.rid, None)
-                self.outbox.put(ReqError(o.rid, o.error, "internal"))
+                self.outbox.put(ReqError(o.rid, o.error, o.error_kind))
 
     def _receive(self) -> list[object]:
         # Idle: block (briefly, to notice SIGTERM). Busy: take what has arrived, never wait.
@@ -92,6 +92,13 @@ class SchedulerLoop:
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, AdminReq):
             self.outbox.put(self._admin(msg))
+        elif isinstance(msg, CheckGrammarReq):
+            try:
+                self.scheduler.check_grammar(SamplingParams.from_dict(msg.sampling_params))
+            except (ValueError, TypeError) as e:
+                self.outbox.put(AdminReply(msg.rid, False, {"error": str(e)}))
+                return
+            self.outbox.put(AdminReply(msg.rid, True, {}))
 
     def _admin(self, msg: AdminReq) -> AdminReply:
         if msg.command == "ping":  # liveness: answered between two steps

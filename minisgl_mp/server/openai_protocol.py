@@ -9,6 +9,7 @@ allowed range), so HTTP and the ZMQ endpoint reject the same request with the sa
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_m
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
-                   "ignore_eos", "stop_token_ids", "skip_special_tokens", "logit_bias", "include_stop_str_in_output")
+                   "ignore_eos", "stop_token_ids", "skip_special_tokens", "logit_bias", "include_stop_str_in_output",
+                   "json_schema", "regex", "ebnf")
 # Other engines' names for a sampling field: SGLang's no_stop_trim is vLLM's include_stop_str_in_output.
 FIELD_ALIASES = {"no_stop_trim": "include_stop_str_in_output"}
-_COMMON_FIELDS = {"model", "n", "stream", "stream_options", *SAMPLING_FIELDS, *FIELD_ALIASES}
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", *SAMPLING_FIELDS, *FIELD_ALIASES}
 COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo"})
 CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                           "chat_template_kwargs"})
@@ -122,6 +124,49 @@ def with_aliases(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def response_format_schema(body: dict[str, Any]) -> str | None:
+    """OpenAI's response_format as the JSON schema (text) it constrains the output to, or None
+    for free text. json_object is any JSON object (SGLang's reading); json_schema's `strict` is
+    accepted either way: the grammar always holds the output to the schema."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in RESPONSE_FORMAT_TYPES:
+        raise HttpError(f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
+                        f"got {rf!r}", param="response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return '{"type": "object"}'
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise HttpError("response_format.json_schema must be an object: {name, schema, strict}",
+                        param="response_format")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise HttpError(f"response_format.json_schema.schema must be an object, got {schema!r}",
+                        param="response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise HttpError("response_format.json_schema.strict must be true or false", param="response_format")
+    return json.dumps(schema)
+
+
+def _grammar_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The constraint of an OpenAI request: response_format, or SGLang's json_schema / regex /
+    ebnf (at most one of them all)."""
+    schema = response_format_schema(body)
+    if schema is None:
+        return {}
+    given = [n for n in ("json_schema", "regex", "ebnf") if body.get(n) is not None]
+    if given:
+        raise HttpError(f"response_format and {given[0]} both constrain the output; give one",
+                        param="response_format")
+    return {"json_schema": schema}
+
+
 def sampling_params(fields: dict[str, Any]) -> SamplingParams:
     """SamplingParams from the non-null `fields`; its messages start with the field's name."""
     try:
@@ -192,7 +237,7 @@ async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> O
     usage_opts = _stream_options(body, stream)
     echo = _opt_bool(body, "echo")
     top = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top}
+    fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top, **_grammar_fields(body)}
     # vLLM's way to score a prompt: max_tokens 0 with echo (lm-eval's loglikelihood sends 1).
     prompt_only = body.get("max_tokens") == 0 and _is_int(body["max_tokens"])
     if prompt_only:
@@ -231,7 +276,7 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
     top = _opt_int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise HttpError("top_logprobs requires logprobs: true", param="top_logprobs")
-    fields = {k: body.get(k) for k in SAMPLING_FIELDS}
+    fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, **_grammar_fields(body)}
     fields["logprobs"] = (top or 0) if want_logprobs else None
     if body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins
         if not _is_int(body["max_completion_tokens"]) or body["max_completion_tokens"] < 1:

@@ -16,7 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl_mp.message.messages import AbortReq, AdminReply, AdminReq, BatchTextOut, GenerateReq, ReqError, TextOut
+from minisgl_mp.message.messages import (
+    AbortReq, AdminReply, AdminReq, BatchTextOut, CheckGrammarReq, GenerateReq, ReqError, TextOut,
+)
+from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.metrics import Metrics
 from minisgl_mp.server_config import ServerConfig
 from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError
@@ -29,6 +32,8 @@ INLINE_TOKENIZE_CHARS = 20_000
 # a full queue drains quickly.
 SHUTDOWN_RETRY_AFTER_S = 5
 OVERLOADED_RETRY_AFTER_S = 1
+# The scheduler answers a grammar check between two steps.
+GRAMMAR_CHECK_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -79,6 +84,8 @@ class TokenizerManager:
 
     # ---- tokenization ----------------------------------------------------------------------------
     async def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.params.constrained:
+            await self.check_grammar(req.params)
         bad_stop = next((t for t in req.params.stop_token_ids if t >= self.vocab_size), None)
         if bad_stop is not None:
             raise RequestError(f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})",
@@ -211,12 +218,26 @@ class TokenizerManager:
         await self.to_scheduler.put(AbortReq(rid))
         return True
 
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """Raise RequestError (400) naming what is wrong with the request's grammar. The grammar
+        engine lives in the scheduler process (this one has no torch); asking it costs one
+        round trip, only for constrained requests."""
+        reply = await self._ask(lambda rid: CheckGrammarReq(rid, params.to_dict()), "check_grammar",
+                                GRAMMAR_CHECK_TIMEOUT_S)
+        if not reply.ok:
+            param = next((n for n in ("json_schema", "regex", "ebnf") if getattr(params, n) is not None), None)
+            raise RequestError(str(reply.result.get("error", "invalid grammar")), param=param)
+
     async def admin(self, command: str, timeout: float = 10.0) -> AdminReply:
+        return await self._ask(lambda rid: AdminReq(rid, command), command, timeout)
+
+    async def _ask(self, make: Any, command: str, timeout: float) -> AdminReply:
+        """Send the scheduler `make(rid)` and wait for its AdminReply."""
         rid = f"admin-{self.new_rid()}"
         fut: asyncio.Future[AdminReply] = asyncio.get_running_loop().create_future()
         self._admin_waiters[rid] = fut
         try:
-            await self.to_scheduler.put(AdminReq(rid, command))
+            await self.to_scheduler.put(make(rid))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise RequestError(f"the scheduler did not answer {command!r} within {timeout:.0f}s",
