@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from minisgl_mp.message.codec import PROTOCOL_VERSION, Channel, WireError, pack_ids, unpack_ids
 from minisgl_mp.message.messages import (
     DETOKENIZER_CHANNEL, INTERNAL_MAX_BYTES, SCHEDULER_CHANNEL, TOKENIZER_CHANNEL, AbortReq, AdminReply,
-    AdminReq, BatchTextOut, BatchTokenOut, DetokParams, GenerateReq, LogprobEntry, ReqError, ShutdownReq,
+    AdminReq, CheckGrammarReq, BatchTextOut, BatchTokenOut, DetokParams, GenerateReq, LogprobEntry, ReqError, ShutdownReq,
     TextOut, TokenOut,
 )
 
@@ -36,6 +36,7 @@ CASES: list[tuple[Channel, Any]] = [
     (SCHEDULER_CHANNEL, GenerateReq("g-empty", [], {})),
     (SCHEDULER_CHANNEL, AbortReq("g-1")),
     (SCHEDULER_CHANNEL, AdminReq("admin-1", "stats")),
+    (SCHEDULER_CHANNEL, CheckGrammarReq("admin-2", {"regex": "[0-9]+", "max_tokens": 4})),
     (SCHEDULER_CHANNEL, ShutdownReq("test")),
     (DETOKENIZER_CHANNEL, BatchTokenOut([TOKEN_OUT, dataclasses.replace(TOKEN_OUT, rid="r-3", detok=None,
                                                                       matched_stop=2, finish_reason=None)])),

@@ -32,6 +32,9 @@ INVALID: dict[str, tuple[str, list[Any]]] = {
     "logprob_start_len": ("null or an integer >= 0", [-1, 1.5, True]),
     "logit_bias": ("an object mapping token ids >= 0 to numbers in [-100, 100]",
                    [5, {"x": 1}, {"1": 101}, {"-1": 1}, {"1": "2"}, [[1, 2, 3]]]),
+    "json_schema": ("a non-empty string", ["", 5, []]),
+    "regex": ("a non-empty string", ["", 3]),
+    "ebnf": ("a non-empty string", ["", True]),
 }
 CASES = [(name, value) for name, (_, values) in INVALID.items() for value in values]
 
@@ -50,6 +53,9 @@ def test_every_field_is_validated() -> None:
     ({"stop": [f"s{i}" for i in range(17)]}, "stop must have at most 16 strings, got 17"),
     ({"stop": "x" * 257}, "each stop string must be at most 256 characters"),
     ({"stop_token_ids": list(range(65))}, "stop_token_ids must have at most 64 entries"),
+    ({"regex": "a", "ebnf": "root ::= \"a\""}, "json_schema, regex and ebnf are exclusive: give one, got regex, ebnf"),
+    ({"json_schema": "{oops"}, "json_schema is not valid JSON"),
+    ({"json_schema": "[1]"}, "json_schema must be a JSON object (a schema), got list"),
 ])
 def test_limits_on_stop_lists(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
