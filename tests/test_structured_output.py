@@ -17,6 +17,7 @@ import openai
 import pydantic
 import pytest
 
+from minisgl_mp.client import Client, ServerError
 from server_utils import ServerProcess, launch_server
 
 TIMEOUT = 180
@@ -140,3 +141,11 @@ def test_invalid_grammar_is_a_400_naming_it(http: httpx.Client, body: dict[str, 
     assert named in r.json()["error"]["message"]
     ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "regex": "[ab]+"})
     assert ok.status_code == 200 and re.fullmatch("[ab]+", ok.json()["choices"][0]["text"])
+
+
+def test_zmq_endpoint_takes_the_same_constraints(server: ServerProcess) -> None:
+    with Client(server.zmq, timeout=TIMEOUT) as c:
+        out = c.generate("Call me at", sampling_params={"regex": PHONE, "max_tokens": 32})
+        assert re.fullmatch(PHONE, out["text"]) and out["finish_reason"] == "stop"
+        with pytest.raises(ServerError, match="regex is invalid"):
+            c.generate("Call me at", sampling_params={"regex": "[0-9", "max_tokens": 4})
