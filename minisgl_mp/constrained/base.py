@@ -70,6 +70,9 @@ class GrammarBackend(ABC):
         self._lock = threading.Lock()  # the cache is touched by the scheduler and done-callbacks
         self.cache_hits = 0
         self.cache_misses = 0
+        # Reused step after step (grown when a batch is larger): a filled row is overwritten
+        # whole, and rows no one filled are never applied, so it needs no clearing.
+        self._bitmask: torch.Tensor | None = None
 
     # ---- what a backend implements ----------------------------------------------------------
     @abstractmethod
@@ -122,7 +125,11 @@ class GrammarBackend(ABC):
     def fill_and_apply(self, logits: torch.Tensor, matchers: list[GrammarMatcher], rows: list[int]) -> None:
         """Mask logits[rows[j]] with matchers[j]'s allowed tokens, in place."""
         # logits: [B, V]; bitmask rows line up with logits rows, only `rows` are filled.
-        bitmask = self.allocate_bitmask(logits.shape[0])
+        batch = logits.shape[0]
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
+            grown = 0 if self._bitmask is None else 2 * self._bitmask.shape[0]
+            self._bitmask = self.allocate_bitmask(max(batch, grown))
+        bitmask = self._bitmask[:batch]
         for m, i in zip(matchers, rows):
             m.fill_bitmask(bitmask, i)
         self.apply_bitmask(logits, bitmask, rows)
