@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 

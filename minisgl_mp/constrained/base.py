@@ -67,7 +67,7 @@ class GrammarBackend(ABC):
     def __init__(self, max_workers: int = 2) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
-        self._lock = threading.Lock()  # the cache is touched by the scheduler and done-callbacks
+        self._lock = threading.Lock()  # compile() may be called from any thread
         self.cache_hits = 0
         self.cache_misses = 0
         # Reused step after step (grown when a batch is larger): a filled row is overwritten
