@@ -82,7 +82,10 @@ static inline vf vload_w(const void *row, int64_t i, const int fmt) {
 #define ISA 256
 #define VL 8
 #define RMAX 4
-#define CMAX 2  /* 16 ymm registers: 8 accumulators plus the loads */
+#define CMAX 4
+/* 16 ymm registers: up to 8 accumulators plus the loads. One or two rows still take four
+ * channels, so a lone row has four independent FMA chains to hide the FMA latency. */
+#define CWIDTH(R) ((R) <= 2 ? 4 : 2)
 typedef __m256 vf;
 #define VZERO() _mm256_setzero_ps()
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
@@ -116,7 +119,10 @@ typedef float vf;
 static inline vf vload_w(const void *row, int64_t i, const int fmt) { return w_scalar(row, i, fmt); }
 #endif
 
-#define CBLOCK (4 * CMAX)  /* output channels per thread work item */
+#ifndef CWIDTH
+#define CWIDTH(R) CMAX
+#endif
+#define CBLOCK 16  /* output channels per thread work item: a multiple of every tile width */
 
 /* R rows x C channels of y, one pass over K. R, C and fmt are literals at every call site,
  * so each instantiation keeps its accumulators in registers. */
@@ -151,8 +157,9 @@ static inline __attribute__((always_inline)) void tile(
 static inline __attribute__((always_inline)) void block_rows(
     const float *x, int64_t k, const char *w, const int fmt, const float *scale, const float *bias,
     float *y, int64_t ldy, int64_t n0, int64_t n1, const int R) {
+    const int C = CWIDTH(R);
     int64_t n = n0;
-    for (; n + CMAX <= n1; n += CMAX) tile(x, k, w, fmt, scale, bias, y, ldy, n, R, CMAX);
+    for (; n + C <= n1; n += C) tile(x, k, w, fmt, scale, bias, y, ldy, n, R, C);
     for (; n < n1; ++n) tile(x, k, w, fmt, scale, bias, y, ldy, n, R, 1);
 }
 
