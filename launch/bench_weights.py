@@ -36,7 +36,9 @@ from minisgl_mp.models.source import resolve_model
 from minisgl_mp.models.weight_format import quantize_int8
 
 FORMATS = {"float32": ({}, torch.float32), "float16": ({"dtype": "float16"}, torch.float16),
-           "bfloat16": ({"dtype": "bfloat16"}, torch.bfloat16), "int8": ({"quantization": "int8"}, torch.int8)}
+           "bfloat16": ({"dtype": "bfloat16"}, torch.bfloat16), "int8": ({"quantization": "int8"}, torch.int8),
+           # float32 without the C product kernel: the engine's path before it (engine step only)
+           "float32-torch": ({"cpu_small_gemm": False}, torch.float32)}
 ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c")
 
 
@@ -109,7 +111,7 @@ def weight_bytes(lins: list[Linear]) -> int:
 @torch.inference_mode()
 def measure_products(cfg: ModelConfig, args: argparse.Namespace, read_gbps: float) -> list[dict[str, Any]]:
     rows = []
-    for name in args.formats:
+    for name in (f for f in args.formats if f != "float32-torch"):
         lins = chain_linears(cfg, args.chain_layers, FORMATS[name][1], args.seed)
         nbytes = weight_bytes(lins)
         for batch in args.batch_sizes:
@@ -166,21 +168,24 @@ def measure_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen3-0.6B", help="config name or folder (random weights of its shape)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="stored weight formats")
+    p.add_argument("--formats", default="float32,float16,bfloat16,int8",
+                   help=f"stored weight formats, of {list(FORMATS)}")
     p.add_argument("--batch-sizes", default="1,2,4,8,12,16,32,64", help="rows per product")
     p.add_argument("--chain-layers", type=int, default=4, help="decoder layers' products in the chain, plus the LM head")
     p.add_argument("--reps", type=int, default=7, help="timed runs per product chain (median)")
     p.add_argument("--context", type=int, default=256, help="cached tokens of the decoding request")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps (median)")
     p.add_argument("--bandwidth-mib", type=int, default=512)
+    p.add_argument("--matmul-n", type=int, default=2048, help="size of the float32 matrix product timed for reference")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-engine", dest="engine", action="store_false", help="only the products")
+    p.add_argument("--no-products", dest="products", action="store_false", help="only the engine steps")
     p.add_argument("--out", type=Path, help="JSON report")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.formats = args.formats.split(",")
     if unknown := set(args.formats) - set(FORMATS):
         p.error(f"unknown formats {sorted(unknown)}; choose from {list(FORMATS)}")
@@ -189,12 +194,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cfg = ModelConfig.from_file(resolve_model(args.model, "dummy", allow_download=False).config_path)
     info = cpu_info()
-    bw, mm = measure_bandwidth(args.bandwidth_mib), measure_matmul()
+    bw, mm = measure_bandwidth(args.bandwidth_mib), measure_matmul(args.matmul_n)
     print(f"{info['model']} {' '.join(info['flags'])}; kernel ISA {info['kernel_isa']}, {info['threads']} threads; "
           f"read {bw['read_gbps']:.1f} GB/s, matmul {mm['gflops']:.0f} GFLOP/s", flush=True)
-    products = measure_products(cfg, args, bw["read_gbps"])
+    products = measure_products(cfg, args, bw["read_gbps"]) if args.products else []
     cross = crossovers(products)
-    print("kernel crossover (largest batch where it wins): " + ", ".join(f"{k} {v}" for k, v in cross.items()))
+    if products:
+        print("kernel crossover (largest batch where it wins): " + ", ".join(f"{k} {v}" for k, v in cross.items()))
     engine = measure_engine(args) if args.engine else []
     report = {"command": "launch/bench_weights.py", "args": {k: v for k, v in vars(args).items() if k != "out"},
               "cpu": info, "bandwidth": bw, "matmul": mm, "products": products, "kernel_crossover": cross,
@@ -203,7 +209,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -28,7 +28,7 @@ class Linear(nn.Module):
 
     PACKED_MIN_ROWS = 4
     KERNEL_MAX_ROWS = 8
-    DENSE_MIN_ROWS = 32
+    DENSE_MIN_ROWS = 256
     WIDEN_TILE = 4096  # output channels widened at once on the fallback path
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
