@@ -13,6 +13,7 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "none")
+QUANTIZATIONS = (None, "int8")
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
@@ -25,7 +26,8 @@ class EngineConfig:
     model: str = field(metadata=_help("model folder, Hugging Face hub id, or short name (e.g. Qwen3-0.6B)"))
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
     load_format: str = field(default="auto", metadata=_help("auto: load the checkpoint; dummy: random weights of the model's shape"))
-    dtype: str = field(default="auto", metadata=_help("auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"))
+    dtype: str = field(default="auto", metadata=_help("auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16. On CUDA the model runs in it; on CPU only the weights are stored in it (linear layers and embeddings), and activations, norms and the KV cache stay float32: products widen the weights in registers"))
+    quantization: str | None = field(default=None, metadata=_help("int8: on CPU, linear and embedding weights stored as int8 with a float32 scale per output channel, quantized at load from the float checkpoint (activations stay float32)"))
     device: str | None = field(default=None, metadata=_help("cpu, cuda, cuda:N (default: cuda if available, else cpu)"))
     seed: int = field(default=0, metadata=_help("seed for unseeded sampling and dummy weights"))
     # KV cache
@@ -46,6 +48,7 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata=_help("auto (cpu on the CPU; flashinfer on CUDA when installed, else triton), cpu (the C paged kernel), sdpa (PyTorch), triton, flashinfer"))
     cuda_graph_max_bs: int | None = field(default=None, metadata=_help("on CUDA: largest decode batch run through a captured CUDA graph (default: 256, at most --max-running-requests)"))
     disable_cuda_graph: bool = field(default=False, metadata=_help("on CUDA: run decode steps eagerly, without CUDA graphs"))
+    cpu_small_gemm: bool = field(default=True, metadata=_help("on CPU, the C product kernel for small batches, and for float16/bfloat16/int8 weights (built on first use; PyTorch fallback)"))
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack linear weights for oneDNN"))
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
@@ -65,6 +68,7 @@ class EngineConfig:
         check(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
         check(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         check(0 < self.mem_fraction_static < 1, f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         check(self.kv_cache_dtype in DTYPE_CHOICES, f"kv_cache_dtype must be one of {DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         check(self.cache_type in CACHE_TYPES, f"cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")

@@ -96,6 +96,22 @@ def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert all(v > 0 for v in row["ratios"].values())
 
 
+def test_weight_formats_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "weights.json"
+    assert load_tool("bench_weights").main([
+        "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--chain-layers", "1", "--reps", "1",
+        "--formats", "float32,int8", "--context", "8", "--steps", "2", "--bandwidth-mib", "8", "--matmul-n", "128",
+        "--out", str(out)]) == 0
+    report = read(out)
+    assert [(r["format"], r["batch"]) for r in report["products"]] == [
+        ("float32", 1), ("float32", 3), ("int8", 1), ("int8", 3)]
+    int8, f32 = report["products"][2], report["products"][0]
+    assert 3.9 < f32["weight_bytes"] / int8["weight_bytes"] < 4  # a quarter, plus the scales
+    assert all(v > 0 for r in report["products"] for v in r["weight_gbps"].values())
+    assert [r["format"] for r in report["engine_batch1"]] == ["float32", "int8"]
+    assert all(r["step_over_floor"] > 0 for r in report["engine_batch1"])
+
+
 def test_serving_sweep_over_zmq_writes_report_and_plots(tiny_model_dir: Path, tmp_path: Path) -> None:
     plots = importlib.util.find_spec("matplotlib") is not None
     out = tmp_path / "serving.json"

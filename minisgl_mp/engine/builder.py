@@ -20,7 +20,7 @@ from minisgl_mp.models.source import ModelSource, resolve_model
 from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.req import Req
 from minisgl_mp.scheduler.scheduler import Scheduler
-from minisgl_mp.utils.device import resolve_device, resolve_dtype
+from minisgl_mp.utils.device import resolve_device, resolve_weight_dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ class EngineParts:
     source: ModelSource
     model_config: ModelConfig
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the model computes in
+    weight_dtype: torch.dtype  # what its linear and embedding weights are stored in
     context_len: int
     eos_ids: frozenset[int]
 
@@ -42,8 +43,8 @@ def resolve_engine(config: EngineConfig) -> tuple[EngineParts, Any | None]:
     tokenizer = load_tokenizer(source.tokenizer_dir)
     model_config = ModelConfig.from_file(source.config_path)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device, model_config.hf_dtype)
-    parts = EngineParts(source, model_config, device, dtype, model_config.context_len(config.context_length),
+    dtype, weight_dtype = resolve_weight_dtypes(config.dtype, config.quantization, device, model_config.hf_dtype)
+    parts = EngineParts(source, model_config, device, dtype, weight_dtype, model_config.context_len(config.context_length),
                         eos_token_ids(source, model_config, tokenizer))
     return parts, tokenizer
 
@@ -68,10 +69,10 @@ def build_scheduler(config: EngineConfig, progress: bool = True,
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     parts, tokenizer = resolve_engine(config)
-    logger.info("model %s on %s in %s, context length %d", parts.source.name, parts.device,
-                parts.dtype, parts.context_len)
+    logger.info("model %s on %s in %s (weights %s), context length %d", parts.source.name, parts.device,
+                parts.dtype, parts.weight_dtype, parts.context_len)
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
-                         parts.context_len, progress=progress)
+                         parts.context_len, progress=progress, weight_dtype=parts.weight_dtype)
     make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
     grammar = create_grammar_backend(config.grammar_backend, tokenizer, parts.model_config.vocab_size, parts.eos_ids,
                                      config.constrained_json_any_whitespace)

@@ -18,6 +18,7 @@ from minisgl_mp.layers.linear import Linear
 from minisgl_mp.models.registry import build_model
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource
+from minisgl_mp.models.weight_format import store_weights
 from minisgl_mp.utils.device import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -25,16 +26,25 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
-                 device: torch.device, dtype: torch.dtype, context_len: int, progress: bool = True) -> None:
+                 device: torch.device, dtype: torch.dtype, context_len: int, progress: bool = True,
+                 weight_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.context_len = context_len
         self.model = build_model(source, model_config, dtype, device, progress=progress, seed=config.seed)
+        self.weight_dtype = weight_dtype or dtype
+        if self.weight_dtype != dtype:
+            stored = store_weights(self.model, self.weight_dtype)
+            logger.info("stored %d weight tensors as %s", stored, str(self.weight_dtype).replace("torch.", ""))
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         if device.type == "cpu" and config.cpu_prepack:
-            packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
+            packed = sum(m.prepack() for m in linears)
             logger.info("prepacked %d linear layers for oneDNN", packed)
+        if device.type == "cpu" and dtype == torch.float32 and config.cpu_small_gemm:
+            gemm = sum(m.enable_cpu_gemm() for m in linears)
+            logger.info("C product kernel for %d linear layers", gemm)
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_fused_ops and cpu_kernels.load() is not None:
             fused = sum(m.enable_cpu_kernels() for m in self.model.modules() if hasattr(m, "enable_cpu_kernels"))
             logger.info("C kernels for %d norm / rotary modules", fused)

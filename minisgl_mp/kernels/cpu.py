@@ -1,12 +1,17 @@
 """The C kernels for the CPU (csrc/*.c), built on first use, and their Python entry points:
-paged attention (csrc/paged_attention.c) and the fused norm / rotary steps of a decoder layer
-(csrc/fused_ops.c).
+paged attention (csrc/paged_attention.c), the fused norm / rotary steps of a decoder layer
+(csrc/fused_ops.c) and the small-batch product with float32, 16-bit or int8 weights
+(csrc/weight_gemm.c).
 
 The sources are compiled together with the system C compiler (a second or two) into one
 library in a per-user cache and loaded with ctypes: no torch headers, no pybind. OpenMP is
 resolved to the libgomp torch has already loaded, so the kernels share torch's threads and
 settings. Anything that goes wrong (no compiler, a failed build) is logged once and callers
 fall back to their PyTorch paths.
+
+The vector ISA follows the build machine's flags (-march=native). MINISGL_MP_CPU_ISA=avx2
+builds without AVX-512 and =scalar without any AVX, so one machine can test every path; each
+choice is its own cached library.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # gcc stops at 256-bit vectors on x86 by default
-_LIB: ctypes.CDLL | None = None
-_TRIED = False
+# Extra flags per ISA override: -mno-avx512f / -mno-avx also drop every extension built on them.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+_LIBS: dict[str, ctypes.CDLL | None] = {}
 
 
 def _cache_dir() -> Path:
@@ -51,29 +57,38 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, isa: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [f"{src.name}\0{src.read_text()}" for src in SOURCES]
-    key = hashlib.sha256("\0".join([*texts, *CFLAGS, version, _cpu_model()]).encode()).hexdigest()[:16]
+    flags = CFLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
         os.replace(out, target)  # atomic: concurrent builders race harmlessly
     return target
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None when it cannot be built here (logged once)."""
-    global _LIB, _TRIED
-    if _TRIED:
-        return _LIB
-    _TRIED = True
+def default_isa() -> str:
+    isa = os.environ.get("MINISGL_MP_CPU_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"MINISGL_MP_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    return isa
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library built for `isa` (default: MINISGL_MP_CPU_ISA, else native), or None
+    when it cannot be built here (logged once)."""
+    isa = isa or default_isa()
+    if isa in _LIBS:
+        return _LIBS[isa]
+    _LIBS[isa] = None
     if os.environ.get("MINISGL_MP_NO_CPU_KERNEL"):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -81,7 +96,7 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: CPU kernels fall back to PyTorch (slower)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, isa)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable (%s): falling back to PyTorch", e)
         return None
@@ -94,7 +109,11 @@ def load() -> ctypes.CDLL | None:
     lib.add_rmsnorm_f32.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, i64]
     lib.qk_norm_rope_f32.restype = None
     lib.qk_norm_rope_f32.argtypes = [vp, i64, i64, i64, i64, i64, vp, vp, ctypes.c_float, vp, vp, vp, vp]
-    _LIB = lib
+    lib.weight_gemm.restype = ctypes.c_int
+    lib.weight_gemm.argtypes = [vp, i64, i64, vp, ctypes.c_int, vp, vp, vp, i64, i64]
+    lib.weight_gemm_isa.restype = ctypes.c_int
+    lib.weight_gemm_isa.argtypes = []
+    _LIBS[isa] = lib
     return lib
 
 
@@ -111,7 +130,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
     on load); kv_index: [B, stride] int64; q_start, q_len, kv_len: [B] int64. All contiguous,
     on the CPU.
     """
-    lib = _LIB if _LIB is not None else load()
+    lib = load()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
     for name, t in (("q", q), ("out", out)):
@@ -147,7 +166,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual) in one pass; x is updated in place and
     returned as the new residual. x, residual: [..., dim] float32 contiguous CPU."""
-    lib = _LIB if _LIB is not None else load()
+    lib = load()
     if lib is None or not _fused_ok(x, weight, *(() if residual is None else (residual,))):
         raise ValueError("add_rmsnorm needs the kernels and contiguous float32 CPU tensors")
     if residual is not None and residual.shape != x.shape:
@@ -165,7 +184,7 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: q [T, Hq, D] and k [T, Hkv, D],
     contiguous, each head RMS-normed (when its weight is given) then rotated by the cos/sin
     table [max_pos, 2, D] at `positions` [T] (int64)."""
-    lib = _LIB if _LIB is not None else load()
+    lib = load()
     weights = tuple(w for w in (q_weight, k_weight) if w is not None)
     if lib is None or not _fused_ok(qkv, cos_sin, *weights) or head_dim % 2 or head_dim > 1024:
         raise ValueError("qk_norm_rope needs the kernels, contiguous float32 CPU tensors and an even head_dim <= 1024")
@@ -179,3 +198,39 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
                          None if k_weight is None else k_weight.data_ptr(), eps, cos_sin.data_ptr(),
                          positions.data_ptr(), q.data_ptr(), k.data_ptr())
     return q, k
+
+
+# Stored weight dtypes the product kernel widens, and its format codes (csrc/weight_gemm.c).
+WEIGHT_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+
+def weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K]^T -> [M, N] float32, weight float32, float16, bfloat16
+    or int8 (then times `scale` [N], its per-output-channel float32 scale), plus `bias` [N]
+    float32. All contiguous, on the CPU. Bound by the weight bytes for small M."""
+    lib = load(isa)
+    if lib is None:
+        raise RuntimeError("the CPU product kernel is not available")
+    fmt = WEIGHT_FORMATS.get(weight.dtype)
+    if fmt is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a contiguous 2-D CPU tensor in {list(WEIGHT_FORMATS)}, got {weight.dtype}")
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or not _fused_ok(x):
+        raise ValueError(f"x must be contiguous float32 [M, {weight.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    n = weight.shape[0]
+    if (scale is not None) != (weight.dtype == torch.int8):
+        raise ValueError("scale is given exactly when the weight is int8")
+    for name, t in (("scale", scale), ("bias", bias)):
+        if t is not None and (t.shape != (n,) or not _fused_ok(t)):
+            raise ValueError(f"{name} must be contiguous float32 [{n}]")
+    y = x.new_empty((x.shape[0], n))
+    lib.weight_gemm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), fmt,
+                    None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                    y.data_ptr(), n, n)
+    return y
+
+
+def kernel_isa(isa: str | None = None) -> int | None:
+    """512, 256 or 0: the vector width the product kernel was built with (None: no kernels)."""
+    lib = load(isa)
+    return None if lib is None else int(lib.weight_gemm_isa())

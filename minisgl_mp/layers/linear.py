@@ -4,18 +4,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl_mp.kernels import cpu as cpu_kernels
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). Weights are allocated uninitialised: the loader fills them.
 
-    On the CPU, `prepack()` converts the weight once into oneDNN's blocked layout, which runs
-    products of a few rows and up faster than `F.linear` re-packing on every call (measured
-    1.3-1.9x for 8-64 rows). For a single row the plain weight streamed by `F.linear` wins
-    (a 1024 -> 151936 LM head: 24 vs 32 ms), so both are kept; the plain weight also stays
-    the source of truth (tying, reloading, tests read it).
+    The weight is stored in the model's dtype, or after `store_weight()` in a smaller format
+    (float16 / bfloat16, or int8 with a float32 scale per output channel, `weight_scale`), while
+    x and y keep the model's dtype: the product widens the weight on the fly.
+
+    On the CPU, three paths, chosen by the number of rows (see docs/benchmarks.md):
+    - `enable_cpu_gemm()`: the C kernel (kernels/csrc/weight_gemm.c) reads each weight once for
+      up to a few rows, at the memory's rate, in any stored format. It runs every product of a
+      stored format below DENSE_MIN_ROWS, and float32 products of at most KERNEL_MAX_ROWS rows.
+    - `prepack()` (float32 weights): oneDNN's blocked layout, for the larger float32 batches,
+      where the products are bound by arithmetic rather than by the weight bytes.
+    - `F.linear`, after widening the stored weight to the activations' dtype a tile at a time:
+      the fallback everywhere else (other devices, no C compiler), and for large batches of
+      stored formats, which then run at the float32 matrix rate.
+    The plain weight stays the source of truth (tying, reloading, tests read it).
     """
 
     PACKED_MIN_ROWS = 4
+    KERNEL_MAX_ROWS = 8
+    DENSE_MIN_ROWS = 256
+    WIDEN_TILE = 4096  # output channels widened at once on the fallback path
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -25,7 +39,20 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
+        self.weight_scale: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
+        self.cpu_gemm = False
+
+    def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Keep `weight` ([out, in], any dtype the product accepts) in place of the current one;
+        int8 comes with `scale` [out], float32."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        if (scale is not None) != (weight.dtype == torch.int8):
+            raise ValueError("an int8 weight needs its per-channel scale, and only it")
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.weight_scale = None if scale is None else scale.float().contiguous()
+        self.packed_weight = None
 
     def prepack(self) -> bool:
         """Pack the weight for oneDNN; returns whether this build and dtype allow it."""
@@ -35,17 +62,44 @@ class Linear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return True
 
+    def enable_cpu_gemm(self) -> bool:
+        """Use the C product kernel; returns whether the weight's device and dtype allow it."""
+        self.cpu_gemm = (self.weight.device.type == "cpu" and self.weight.dtype in cpu_kernels.WEIGHT_FORMATS
+                         and (self.bias is None or self.bias.dtype == torch.float32)
+                         and cpu_kernels.load() is not None)
+        return self.cpu_gemm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and x.numel() >= self.PACKED_MIN_ROWS * self.in_features:
-            shape = x.shape
+        shape = x.shape
+        rows = x.numel() // self.in_features
+        stored = self.weight.dtype != x.dtype
+        if self.cpu_gemm and x.dtype == torch.float32 and rows < (self.DENSE_MIN_ROWS if stored else self.KERNEL_MAX_ROWS + 1):
+            y = cpu_kernels.weight_gemm(x.reshape(rows, shape[-1]).contiguous(), self.weight, self.weight_scale, self.bias)
+            return y.view(*shape[:-1], self.out_features)
+        if self.packed_weight is not None and rows >= self.PACKED_MIN_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(
                 x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], ""
             )
             return y.view(*shape[:-1], self.out_features)
+        if stored:
+            return self._widened_linear(x)
         return F.linear(x, self.weight, self.bias)
 
+    def _widened_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear with the stored weight widened to x's dtype a tile of channels at a time,
+        so no full-size widened copy is ever held."""
+        tiles = []
+        for start in range(0, self.out_features, self.WIDEN_TILE):
+            w = self.weight[start:start + self.WIDEN_TILE].to(x.dtype)
+            if self.weight_scale is not None:
+                w = w * self.weight_scale[start:start + self.WIDEN_TILE, None].to(x.dtype)
+            tiles.append(F.linear(x, w))
+        y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        fmt = "" if self.weight.dtype == torch.float32 else f", weight={str(self.weight.dtype).replace('torch.', '')}"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{fmt}"
 
 
 def _onednn_available() -> bool:

@@ -33,3 +33,19 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None
         return torch.float32
     ckpt = _DTYPES.get(str(checkpoint_dtype or "").replace("torch.", ""))
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def resolve_weight_dtypes(dtype: str, quantization: str | None, device: torch.device,
+                          checkpoint_dtype: str | None) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype the model computes in, the dtype its linear and embedding weights are stored
+    in). On a GPU both are `dtype` (16-bit arithmetic is native there). On the CPU the model
+    computes in float32 and only the weights shrink: float16 / bfloat16 as asked, int8 with
+    --quantization int8 (a 16-bit matrix product through PyTorch crawls without 16-bit units)."""
+    if device.type != "cpu":
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} is implemented for the CPU only")
+        compute = resolve_dtype(dtype, device, checkpoint_dtype)
+        return compute, compute
+    if quantization == "int8":
+        return torch.float32, torch.int8
+    return torch.float32, resolve_dtype(dtype, device, checkpoint_dtype)
