@@ -49,6 +49,8 @@ class EngineConfig:
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
+    # Parallelism
+    tp_size: int = field(default=1, metadata=_help("tensor-parallel ranks: one scheduler process each, holding 1/N of every layer (gloo on CPU, NCCL on CUDA; server only)"))
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -72,6 +74,7 @@ class EngineConfig:
         check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
 
     @property
     def graph_max_bs(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kvcache.allocator import PageAllocator
@@ -104,8 +105,10 @@ def _chunk_len(req: Req, budget: int) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, eos_ids: frozenset[int],
-                 make_stop_checker: Callable[[Req], Any] | None = None, faults: FaultPlan | None = None) -> None:
+                 make_stop_checker: Callable[[Req], Any] | None = None, faults: FaultPlan | None = None,
+                 tp: TPGroup | None = None) -> None:
         self.config = config
+        self.tp = tp
         self.runner = runner
         self.device = runner.device
         self.context_len = runner.context_len
@@ -214,6 +217,10 @@ class Scheduler:
         what = f"{type(e).__name__}: {e}"
         if is_device_fatal(e):
             raise FatalSchedulerError(f"unrecoverable device error: {what}") from e
+        if self.tp is not None:
+            # A rank that failed alone (or a rank that is gone) has left the others inside a
+            # collective of this step: there is no step boundary left to recover at.
+            raise FatalSchedulerError(f"a step failed on tensor-parallel rank {self.tp.rank}: {what}") from e
         last, count = self._failure_streak
         count = count + 1 if what == last else 1
         self._failure_streak = (what, count)
@@ -249,6 +256,15 @@ class Scheduler:
             raise FatalSchedulerError(f"KV accounting broken after a failed step: {e}") from e
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
+        result = self._sample_local(logits, reqs)
+        if result is None or self.tp is None:
+            return result
+        # Every rank sampled the same all-gathered logits with the same generator; rank 0's
+        # tokens are the ones every rank appends, so the ranks cannot part ways.
+        ids = self.tp.broadcast_ints([-1 if t is None else t for t in result.token_ids])
+        return SampleResult([None if t < 0 else t for t in ids], result.logprobs)
+
+    def _sample_local(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
         """Sample the batch; if that raises, sample each request alone and fail only those whose
         own sampling fails (their constraints), with None in their place."""
         if not reqs:
