@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 1
     try:
         code = launcher.supervise()
-        if code == 0:
+        if code == 0 and server.node_rank == 0:  # other nodes have nothing to drain
             cut_short = launcher.drain()
             if cut_short is not None:
                 logger.warning("shutdown: %s", cut_short)

@@ -224,6 +224,10 @@ def run_scheduler_process(config: ServerConfig, conn: Connection, rank: int = 0)
     child_main(scheduler_process_name(rank), config.server.log_level, conn, lambda s, f: _body(config, s, f, rank))
     if config.engine.tp_size > 1:
         # Everything is closed and the launcher told; the interpreter's own teardown after
-        # torch.distributed was seen to hang in native code (no Python frame left), so leave now.
+        # torch.distributed was seen to hang in native code (no Python frame left), so leave
+        # now, once multiprocessing's finalizers have released what they track (semaphores).
+        from multiprocessing import util
+
+        util._exit_function()
         logging.shutdown()
         os._exit(0)
