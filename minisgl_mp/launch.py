@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if server.node_rank == 0:  # the others serve no endpoint
             http_port = pick_port(server.host, server.port, "HTTP") if server.enable_http else server.port
             server = replace(server, port=http_port, zmq_port=pick_port(server.host, server.zmq_port, "ZMQ"))
-        if server.host not in ("127.0.0.1", "localhost", "::1"):
+        if server.node_rank == 0 and server.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning("serving on %s: reachable from other machines%s", server.host,
                            "" if server.api_key else " without --api-key")
         ipc_dir = tempfile.mkdtemp(prefix="minisgl_mp-")  # mode 0700, unique per server
