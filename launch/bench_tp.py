@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--num-pages", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=200, help="repeats of each timed collective")
-    ap.add_argument("--out", type=Path, default=Path("bench_tp.json"))
+    ap.add_argument("--out", type=Path, default=Path("bench_results/bench_tp.json"))
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/minisgl_mp-bench-tp"))
     args = ap.parse_args()
 
@@ -137,6 +137,7 @@ def main() -> int:
         "throughput_ratio_tp2_over_tp1": round(two["output_tokens_per_s"] / one["output_tokens_per_s"], 3),
         "decode_step_ratio_tp2_over_tp1": round(two["decode_step_ms_batch1"] / one["decode_step_ms_batch1"], 3),
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     for r in runs:
         print(f"tp {r['tp_size']}: {r['output_tokens_per_s']:.1f} output tok/s ({args.requests} requests), "
