@@ -51,6 +51,7 @@ class SchedulerLoop:
         self.outbox = outbox
         self.watchdog = watchdog
         self.sync = sync
+        self._ranks_told = False  # whether the other ranks already have a ShutdownReq
         self._detok: dict[str, DetokParams] = {}  # sent with each request's first output
         self._last_health_check = 0.0
         self._health_checks = 0
@@ -59,8 +60,9 @@ class SchedulerLoop:
     def run_once(self) -> bool:
         """One turn of the loop; returns False when told to shut down."""
         for msg in self._receive():
-            if isinstance(msg, ShutdownReq):
+            if isinstance(msg, ShutdownReq):  # under TP every rank has received it
                 logger.info("shutdown requested: %s", msg.reason)
+                self._ranks_told = True
                 return False
             self._handle(msg)
         if self.watchdog is not None:
@@ -101,7 +103,8 @@ class SchedulerLoop:
     def tell_ranks_to_stop(self, reason: str) -> None:
         """Rank 0, on its way out: the other ranks leave their loops too (best effort: one
         that is already gone cannot be told)."""
-        if self.sync is not None and self.sync.is_leader:
+        if self.sync is not None and self.sync.is_leader and not self._ranks_told:
+            self._ranks_told = True
             try:
                 self.sync.share([ShutdownReq(reason)])
             except Exception as e:  # noqa: BLE001 - stopping anyway; say why the others may not know
