@@ -29,7 +29,7 @@ def _rows(heads: range, d: int) -> slice:
 
 
 @pytest.mark.parametrize("overrides, arch", [({}, "qwen3"), ({"num_key_value_heads": 1, "vocab_size": 8191}, "qwen3"),
-                                             ({}, "qwen3_moe")])
+                                             ({}, "qwen3_moe"), ({}, "qwen2")])
 def test_each_rank_loads_exactly_its_slices(make_checkpoint: MakeCheckpoint, overrides: dict, arch: str) -> None:
     ckpt = make_checkpoint(overrides, arch=arch)
     cfg, full = _build(ckpt, None)
@@ -42,8 +42,13 @@ def test_each_rank_loads_exactly_its_slices(make_checkpoint: MakeCheckpoint, ove
         k_start, v_start = cfg.q_size, cfg.q_size + cfg.kv_size
         want = torch.cat([w[_rows(q, d)], w[k_start:][_rows(kv, d)], w[v_start:][_rows(kv, d)]])
         assert torch.equal(part["layers.0.self_attn.qkv_proj.weight"], want)
+        if arch == "qwen2":  # q/k/v biases split with their rows
+            b = full["layers.0.self_attn.qkv_proj.bias"]
+            want = torch.cat([b[_rows(q, d)], b[k_start:][_rows(kv, d)], b[v_start:][_rows(kv, d)]])
+            assert torch.equal(part["layers.0.self_attn.qkv_proj.bias"], want)
         assert torch.equal(part["layers.0.self_attn.o_proj.weight"], full["layers.0.self_attn.o_proj.weight"][:, _rows(q, d)])
-        assert torch.equal(part["layers.0.self_attn.q_norm.weight"], full["layers.0.self_attn.q_norm.weight"])
+        if arch != "qwen2":
+            assert torch.equal(part["layers.0.self_attn.q_norm.weight"], full["layers.0.self_attn.q_norm.weight"])
         if arch == "qwen3_moe":
             cols, mi = shard.columns(cfg.moe_intermediate_size), cfg.moe_intermediate_size
             gu = full["layers.0.mlp.experts.gate_up_proj"]
