@@ -56,6 +56,8 @@ class EngineConfig:
     # Structured output
     grammar_backend: str = field(default="auto", metadata=_help("grammar engine for json_schema / regex / ebnf / response_format: xgrammar, none (such requests are refused), auto (xgrammar when installed)"))
     constrained_json_any_whitespace: bool = field(default=False, metadata=_help("let JSON output put any whitespace between tokens (SGLang's and vLLM's default); off: compact JSON, since a model that likes whitespace can fill max_tokens with it"))
+    # Parallelism
+    tp_size: int = field(default=1, metadata=_help("tensor-parallel ranks: one scheduler process each, holding 1/N of every layer (gloo on CPU, NCCL on CUDA; server only)"))
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -81,6 +83,7 @@ class EngineConfig:
         check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
         check(self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
 
     @property
     def graph_max_bs(self) -> int:

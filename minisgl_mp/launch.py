@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from minisgl_mp.distributed.shard import TPShard
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelNotFoundError, resolve_model
@@ -57,6 +58,7 @@ def resolve_model_info(engine: EngineConfig, server: ServerArgs) -> ModelInfo:
     source = resolve_model(engine.model, engine.load_format, engine.tokenizer)
     cfg = ModelConfig.from_file(source.config_path)
     context_len = cfg.context_len(engine.context_length)
+    TPShard(0, engine.tp_size).check(cfg)  # before any process starts: a clear error
     if source.tokenizer_dir is None:
         raise StartupError(f"model {engine.model!r} has no tokenizer; pass --tokenizer <folder>")
     return ModelInfo(name=server.served_model_name or engine.model, config_path=str(source.config_path),
@@ -98,18 +100,16 @@ class Launcher:
 
     def start(self) -> None:
         from minisgl_mp.detokenizer.process import run_detokenizer_process
-        from minisgl_mp.scheduler.process import run_scheduler_process
         from minisgl_mp.tokenizer.process import run_tokenizer_process
 
         ctx = mp.get_context("spawn")
-        targets: list[tuple[str, Callable[..., None]]] = [
-            ("scheduler", run_scheduler_process),
-            ("detokenizer", run_detokenizer_process),
-            ("tokenizer", run_tokenizer_process),
-        ]
-        for name, target in targets:
+        targets = scheduler_ranks(self.config)
+        if self.config.server.node_rank == 0:
+            targets += [("detokenizer", run_detokenizer_process, ()), ("tokenizer", run_tokenizer_process, ())]
+        for name, target, extra in targets:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(self.config, writer), name=f"minisgl_mp-{name}", daemon=False)
+            proc = ctx.Process(target=target, args=(self.config, writer, *extra), name=f"minisgl_mp-{name}",
+                               daemon=False)
             proc.start()
             writer.close()
             self.children.append(Child(name, proc, reader))
@@ -149,12 +149,16 @@ class Launcher:
             self._wait(0.5)
 
     def supervise(self) -> int:
-        """Until a signal (exit 0) or a child's death (exit 1)."""
+        """Until a signal (exit 0) or a child's death (exit 1). On a node other than 0, a rank
+        that exits cleanly was told to by rank 0: the server stopped (exit 0)."""
         while True:
             if self._stop_reason:
                 logger.info("received %s, shutting down", self._stop_reason)
                 return 0
             dead = self.dead_child()
+            if dead is not None and self.config.server.node_rank > 0 and dead.process.exitcode == 0:
+                logger.info("%s exited: rank 0 stopped the server", dead.name)
+                return 0
             if dead is not None:
                 logger.error("%s process died (%s); stopping the server", dead.name, self.why(dead))
                 return 1
@@ -174,8 +178,8 @@ class Launcher:
         ones finish (--shutdown-timeout; none after SIGINT), aborts the rest and exits, while
         the scheduler and detokenizer keep serving it. Returns why the drain was cut short, if
         it was."""
-        tokenizer = next(c for c in self.children if c.name == "tokenizer")
-        if not tokenizer.process.is_alive():
+        tokenizer = next((c for c in self.children if c.name == "tokenizer"), None)
+        if tokenizer is None or not tokenizer.process.is_alive():  # none on nodes other than 0
             return None
         # Ctrl+C means "now": running requests end with "abort" at once, cleanly.
         quick = self._stop_reason == "SIGINT"
@@ -195,19 +199,39 @@ class Launcher:
         return None
 
     def stop(self) -> None:
-        alive = [c for c in self.children if c.process.is_alive()]
-        for c in alive:
-            with contextlib.suppress(ProcessLookupError):  # each loop notices within ~0.1 s
-                os.kill(c.process.pid, STOP_NOW_SIGNAL)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for c in alive:
-            c.process.join(max(0.0, deadline - time.monotonic()))
+        # Tensor-parallel ranks other than 0 last: rank 0 tells them to stop as it leaves, so
+        # none of them is gone while rank 0 still waits in a collective with it.
+        followers = [c for c in self.children if c.name.startswith("scheduler-rank")]
+        for wave in ([c for c in self.children if c not in followers], followers):
+            alive = [c for c in wave if c.process.is_alive()]
+            for c in alive:
+                with contextlib.suppress(ProcessLookupError):  # each loop notices within ~0.1 s
+                    os.kill(c.process.pid, STOP_NOW_SIGNAL)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for c in alive:
+                c.process.join(max(0.0, deadline - time.monotonic()))
         for c in self.children:
             if c.process.is_alive():
                 logger.warning("%s process did not stop in %.0fs; killing it", c.name, STOP_GRACE_S)
                 c.process.kill()
                 c.process.join(2.0)
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+
+
+def scheduler_ranks(config: ServerConfig) -> list[tuple[str, Callable[..., None], tuple[int]]]:
+    """(process name, target, (rank,)) of each scheduler process this node runs: one per
+    tensor-parallel rank here; rank 0 (on node 0) is the one named "scheduler"."""
+    from minisgl_mp.scheduler.process import run_scheduler_process, scheduler_process_name
+
+    return [(scheduler_process_name(rank), run_scheduler_process, (rank,)) for rank in config.local_ranks]
+
+
+def dist_init_addr(engine: EngineConfig, server: ServerArgs) -> str | None:
+    """Where the tensor-parallel ranks meet: --dist-init-addr, or a free port here when every
+    rank runs on this machine."""
+    if engine.tp_size == 1 or server.dist_init_addr:
+        return server.dist_init_addr
+    return f"127.0.0.1:{pick_port('127.0.0.1', 0, 'tensor-parallel')}"
 
 
 # The scheduler shares the cores with the tokenizer and detokenizer processes and, often, with
@@ -226,9 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     launcher = None
     try:
         model = resolve_model_info(engine, server)
-        http_port = pick_port(server.host, server.port, "HTTP") if server.enable_http else server.port
-        server = replace(server, port=http_port, zmq_port=pick_port(server.host, server.zmq_port, "ZMQ"))
-        if server.host not in ("127.0.0.1", "localhost", "::1"):
+        server = replace(server, dist_init_addr=dist_init_addr(engine, server))
+        if server.node_rank == 0:  # the others serve no endpoint
+            http_port = pick_port(server.host, server.port, "HTTP") if server.enable_http else server.port
+            server = replace(server, port=http_port, zmq_port=pick_port(server.host, server.zmq_port, "ZMQ"))
+        if server.node_rank == 0 and server.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning("serving on %s: reachable from other machines%s", server.host,
                            "" if server.api_key else " without --api-key")
         ipc_dir = tempfile.mkdtemp(prefix="minisgl_mp-")  # mode 0700, unique per server
@@ -247,11 +273,16 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(ipc_dir, ignore_errors=True)
         return 1
     endpoints = f"zmq {config.zmq_endpoint}" + (f", http {config.http_url}" if server.enable_http else "")
-    print(f"minisgl_mp ready: model {model.name}, {endpoints} (pid {os.getpid()})", flush=True)
+    if server.node_rank == 0:
+        print(f"minisgl_mp ready: model {model.name}, {endpoints} (pid {os.getpid()})", flush=True)
+    else:
+        ranks = config.local_ranks
+        print(f"minisgl_mp node {server.node_rank} ready: tensor-parallel ranks {ranks.start}-{ranks.stop - 1} "
+              f"of {engine.tp_size} (pid {os.getpid()})", flush=True)
     code = 1
     try:
         code = launcher.supervise()
-        if code == 0:
+        if code == 0 and server.node_rank == 0:  # other nodes have nothing to drain
             cut_short = launcher.drain()
             if cut_short is not None:
                 logger.warning("shutdown: %s", cut_short)

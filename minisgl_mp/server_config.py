@@ -32,6 +32,10 @@ class ServerArgs:
     shutdown_timeout: float = field(default=30.0, metadata=_help("on SIGTERM: seconds running requests may take to finish before the rest end with finish_reason 'abort' (Ctrl+C ends them at once; a second signal stops without waiting)"))
     startup_timeout: float = field(default=900.0, metadata=_help("seconds to wait for every process to be ready"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
+    # Several machines (tensor parallelism across nodes; the ranks split evenly over them)
+    nnodes: int = field(default=1, metadata=_help("machines the --tp-size ranks run on; node 0 also runs the tokenizer, detokenizer and HTTP"))
+    node_rank: int = field(default=0, metadata=_help("this machine's index in [0, --nnodes)"))
+    dist_init_addr: str | None = field(default=None, metadata=_help("host:port where the ranks meet (rank 0 listens there); required with --nnodes > 1 (default: a free port on 127.0.0.1)"))
 
     def __post_init__(self) -> None:
         for name in ("port", "zmq_port"):
@@ -46,6 +50,14 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, the same on every node)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,22 @@ class ServerConfig:
     server: ServerArgs
     model: ModelInfo
     ipc_dir: str  # private (mode 0700) directory of the internal ipc sockets
+
+    def __post_init__(self) -> None:
+        if self.engine.tp_size % self.server.nnodes:
+            raise ValueError(f"--tp-size {self.engine.tp_size} must be a multiple of --nnodes {self.server.nnodes}")
+        if self.engine.tp_size > 1 and not self.server.dist_init_addr:
+            raise ValueError("tensor parallelism needs dist_init_addr (the launcher picks one on one machine)")
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks whose scheduler processes run on this node."""
+        per_node = self.engine.tp_size // self.server.nnodes
+        return range(self.server.node_rank * per_node, (self.server.node_rank + 1) * per_node)
+
+    @property
+    def dist_init_addr(self) -> str:
+        return self.server.dist_init_addr or ""
 
     def ipc(self, name: str) -> str:
         return f"ipc://{Path(self.ipc_dir) / name}.sock"

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from minisgl_mp.constrained.base import create_grammar_backend
+from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine.tokenizer import load_tokenizer
@@ -62,21 +63,25 @@ def eos_token_ids(source: ModelSource, model_config: ModelConfig, tokenizer: Any
     return frozenset(int(i) for i in ids)
 
 
-def build_scheduler(config: EngineConfig, progress: bool = True,
-                    faults: FaultPlan | None = None) -> tuple[Scheduler, Any | None]:
+def build_scheduler(config: EngineConfig, progress: bool = True, faults: FaultPlan | None = None,
+                    tp: TPGroup | None = None) -> tuple[Scheduler, Any | None]:
     """The scheduler with its model loaded, and the tokenizer. `faults`: test-only injected
-    failures (scheduler/faults.py)."""
+    failures (scheduler/faults.py). `tp`: this rank's group when config.tp_size > 1 (the
+    server's scheduler processes join it; the offline engine runs one process)."""
+    if (tp.size if tp is not None else 1) != config.tp_size:
+        raise ValueError(f"tp_size {config.tp_size} needs one scheduler process per rank: serve it with "
+                         f"python -m minisgl_mp.launch --tp-size {config.tp_size}")
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     parts, tokenizer = resolve_engine(config)
     logger.info("model %s on %s in %s (weights %s), context length %d", parts.source.name, parts.device,
                 parts.dtype, parts.weight_dtype, parts.context_len)
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
-                         parts.context_len, progress=progress, weight_dtype=parts.weight_dtype)
+                         parts.context_len, progress=progress, weight_dtype=parts.weight_dtype, tp=tp)
     make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
     grammar = create_grammar_backend(config.grammar_backend, tokenizer, parts.model_config.vocab_size, parts.eos_ids,
                                      config.constrained_json_any_whitespace)
-    return Scheduler(config, runner, parts.eos_ids, make_checker, faults, grammar), tokenizer
+    return Scheduler(config, runner, parts.eos_ids, make_checker, faults, grammar, tp), tokenizer
 
 
 def stop_checker(tokenizer: Any, req: Req) -> IncrementalDetokenizer:

@@ -9,12 +9,14 @@ import torch
 from minisgl_mp.attention.base import AttentionContext, BatchLayout
 from minisgl_mp.engine.cuda_graph import DecodeGraphRunner
 from minisgl_mp.attention import registry
+from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.kvcache.sizing import plan_pool
 from minisgl_mp.layers.linear import Linear
+from minisgl_mp.layers.parallel import apply_tp
 from minisgl_mp.models.registry import build_model
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource
@@ -25,15 +27,22 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """`tp`: this rank's tensor-parallel group (None: the whole model on one device). Under
+    TP the model holds this rank's heads and its slice of the KV pool; the logits are whole."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, context_len: int, progress: bool = True,
-                 weight_dtype: torch.dtype | None = None) -> None:
+                 weight_dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         self.config = config
-        self.model_config = model_config
+        self.model_config = model_config  # the whole model's
         self.device = device
         self.dtype = dtype
         self.context_len = context_len
-        self.model = build_model(source, model_config, dtype, device, progress=progress, seed=config.seed)
+        shard = tp.shard if tp is not None else None
+        self.model = build_model(source, model_config, dtype, device, progress=progress, seed=config.seed,
+                                 shard=shard)
+        if tp is not None:
+            apply_tp(self.model, model_config, tp)
         self.weight_dtype = weight_dtype or dtype
         if self.weight_dtype != dtype:
             stored = store_weights(self.model, self.weight_dtype)
@@ -49,7 +58,7 @@ class ModelRunner:
             fused = sum(m.enable_cpu_kernels() for m in self.model.modules() if hasattr(m, "enable_cpu_kernels"))
             logger.info("C kernels for %d norm / rotary modules", fused)
 
-        mc = model_config
+        mc = shard.rank_config(model_config) if shard is not None else model_config  # this rank's heads
         self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, device, None)
         plan = plan_pool(
             bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype),
@@ -57,9 +66,10 @@ class ModelRunner:
             kv_cache_gb=config.kv_cache_gb, mem_fraction_static=config.mem_fraction_static,
             max_tokens_needed=config.max_running_requests * context_len,
         )
-        self.num_pages = plan.num_pages
+        # Every rank must see the same pool, or their scheduling decisions would part ways.
+        self.num_pages = tp.min_int(plan.num_pages) if tp is not None else plan.num_pages
         logger.info(plan.describe(config.page_size))
-        self.pool = KVPool(mc.num_layers, plan.num_pages * config.page_size, mc.num_kv_heads,
+        self.pool = KVPool(mc.num_layers, self.num_pages * config.page_size, mc.num_kv_heads,
                            mc.head_dim, self.kv_dtype, device, prefault=config.cpu_prefault_kv)
         self.req_table = ReqTable(config.max_running_requests, context_len, device, config.page_size)
         self.attention_backend = registry.resolve_name(config.attention_backend, device, dtype, self.kv_dtype)
@@ -67,7 +77,10 @@ class ModelRunner:
                                                mc.num_kv_heads, mc.head_dim, dtype)
         logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
         self.graphs: DecodeGraphRunner | None = None
-        if device.type == "cuda" and not config.disable_cuda_graph:
+        if device.type == "cuda" and not config.disable_cuda_graph and tp is not None:
+            # Not yet checked: NCCL collectives inside a captured graph.
+            logger.warning("tensor parallelism: decode runs eagerly, without CUDA graphs")
+        elif device.type == "cuda" and not config.disable_cuda_graph:
             if hasattr(self.backend, "graph_metadata"):
                 self.graphs = DecodeGraphRunner(self.model, self.backend, self.pool.pad_slot, config.graph_max_bs, device)
                 self.graphs.capture(progress=progress)

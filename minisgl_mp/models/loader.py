@@ -5,6 +5,9 @@ are copied into the fused projections, and a mixture-of-experts layer's per-expe
 (`mlp.experts.<e>.gate_proj.weight`, ...) into its stacked expert weights. Every parameter (and every fused part of one) must be
 filled exactly once, or loading fails with an error that names the tensor and the file.
 Pickle-based `.bin` checkpoints are refused: loading them can run code.
+
+Under tensor parallelism each rank reads only its slice of each sharded tensor (safetensors'
+`get_slice`, so nothing else leaves the file); `distributed/shard.py` says which slice.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from minisgl_mp.distributed.shard import TPShard
 from minisgl_mp.models.config import ModelConfig
 
 
@@ -102,9 +106,14 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return mapping
 
 
-def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: bool = True) -> None:
+def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: bool = True,
+                 shard: TPShard | None = None) -> None:
+    """Fill `model` from the checkpoint. With `shard`, the model has `shard.rank_config(cfg)`
+    shapes and gets this rank's slices; `cfg` is always the whole model's config."""
     from safetensors import safe_open
 
+    full_cfg = cfg
+    cfg = shard.rank_config(full_cfg) if shard is not None else full_cfg
     params = dict(model.named_parameters())
     files = checkpoint_files(model_dir)
     loaded: dict[str, str] = {}  # _Target.key -> checkpoint name
@@ -129,10 +138,15 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
                 if target is None or target.param not in params:
                     raise WeightLoadError(f"unexpected tensor {ckpt_name!r} in {file.name}: the model has no such weight")
                 try:
-                    tensor = f.get_tensor(ckpt_name)
+                    tensor = _read(f, ckpt_name, target, full_cfg, shard)
+                except WeightLoadError as e:
+                    raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name}: {e}") from None
                 except Exception as e:
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} cannot be read: {e}") from e
                 dest = _destination(params[target.param], target, cfg)
+                if shard is not None and _is_vocab(target.param) and tensor.shape[0] < dest.shape[0]:
+                    dest[tensor.shape[0]:].zero_()  # the last rank's padding rows
+                    dest = dest[: tensor.shape[0]]
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise WeightLoadError(
                         f"tensor {ckpt_name!r} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -156,6 +170,56 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
         raise WeightLoadError(
             f"{len(missing)} tensor(s) missing from the checkpoint in {model_dir}: {shown}"
         )
+
+
+def _is_vocab(param: str) -> bool:
+    return param in ("embed_tokens.weight", "lm_head.weight")
+
+
+def _shard_spec(target: _Target, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, list[range]] | None:
+    """(dim, the checkpoint tensor's full size along it, the ranges this rank reads, joined)
+    for a sharded tensor; None for a replicated one (norms, the MoE router, o's bias)."""
+    p, d = target.param, cfg.head_dim
+    if ".qkv_proj." in p:
+        if target.part == "q":
+            heads, total = shard.q_heads(cfg), cfg.num_heads
+        else:
+            heads, total = shard.kv_heads(cfg), cfg.num_kv_heads
+        return 0, total * d, [range(heads.start * d, heads.stop * d)]
+    if p.endswith("o_proj.weight"):
+        heads = shard.q_heads(cfg)
+        return 1, cfg.num_heads * d, [range(heads.start * d, heads.stop * d)]
+    if _is_experts(p):
+        inter = cfg.moe_intermediate_size
+        cols = shard.columns(inter)
+        whole = target.expert is None  # one stacked [E, ...] tensor (transformers 5)
+        if p.endswith("gate_up_proj"):
+            if whole:
+                return 1, 2 * inter, [cols, range(inter + cols.start, inter + cols.stop)]
+            return 0, inter, [cols]
+        return (2 if whole else 1), inter, [cols]
+    if p.endswith("gate_up_proj.weight"):
+        return 0, cfg.intermediate_size, [shard.columns(cfg.intermediate_size)]
+    if p.endswith("down_proj.weight"):
+        return 1, cfg.intermediate_size, [shard.columns(cfg.intermediate_size)]
+    if _is_vocab(p):
+        return 0, cfg.vocab_size, [shard.vocab_rows(cfg)]
+    return None
+
+
+def _read(f: object, name: str, target: _Target, cfg: ModelConfig, shard: TPShard | None) -> torch.Tensor:
+    """The whole tensor, or this rank's slice of it (only those bytes are read)."""
+    spec = None if shard is None or shard.size == 1 else _shard_spec(target, cfg, shard)
+    if spec is None:
+        return f.get_tensor(name)
+    dim, full, ranges = spec
+    sl = f.get_slice(name)
+    shape = tuple(sl.get_shape())
+    if len(shape) <= dim or shape[dim] != full:
+        raise WeightLoadError(f"has shape {shape}, expected {full} along dimension {dim}")
+    lead = (slice(None),) * dim
+    parts = [sl[lead + (slice(r.start, r.stop),)] for r in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _destination(param: torch.Tensor, target: _Target, cfg: ModelConfig) -> torch.Tensor:

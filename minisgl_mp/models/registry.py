@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from minisgl_mp.distributed.shard import TPShard
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.loader import init_dummy_weights, load_weights
 from minisgl_mp.models.llama import LlamaForCausalLM
@@ -44,13 +45,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                progress: bool = True, seed: int = 0) -> nn.Module:
+                progress: bool = True, seed: int = 0, shard: TPShard | None = None) -> nn.Module:
     """Instantiate on `device` in `dtype`, then fill from the checkpoint (or randomly when the
-    source has no weights)."""
+    source has no weights). With `shard`: this tensor-parallel rank's part of the model, with
+    no collectives yet (`layers/parallel.apply_tp` adds them)."""
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(cfg)(cfg)
+        model = model_class(cfg)(shard.rank_config(cfg) if shard is not None else cfg)
     if source.weights_dir is None:
-        init_dummy_weights(model, seed=seed)
+        init_dummy_weights(model, seed=seed + (shard.rank if shard is not None else 0))
     else:
-        load_weights(model, cfg, source.weights_dir, progress=progress)
+        load_weights(model, cfg, source.weights_dir, progress=progress, shard=shard)
     return model.eval()

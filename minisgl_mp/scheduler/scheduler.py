@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from minisgl_mp.constrained.base import GrammarBackend, grammar_key
+from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kvcache.allocator import PageAllocator
@@ -113,8 +114,9 @@ def _chunk_len(req: Req, budget: int) -> int:
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, eos_ids: frozenset[int],
                  make_stop_checker: Callable[[Req], Any] | None = None, faults: FaultPlan | None = None,
-                 grammar: GrammarBackend | None = None) -> None:
+                 grammar: GrammarBackend | None = None, tp: TPGroup | None = None) -> None:
         self.config = config
+        self.tp = tp
         self.runner = runner
         self.device = runner.device
         self.context_len = runner.context_len
@@ -180,6 +182,10 @@ class Scheduler:
             self.waiting.append(req)
         else:
             req.grammar_future = self.grammar.compile(key)
+            if self.tp is not None:
+                # Every rank must admit it in the same step, and compile times differ between
+                # processes: under TP the compile is waited for here, before the next step.
+                wait([req.grammar_future])
             self.grammar_queue.append(req)
 
     def check_grammar(self, params: SamplingParams) -> None:
@@ -269,6 +275,10 @@ class Scheduler:
         what = f"{type(e).__name__}: {e}"
         if is_device_fatal(e):
             raise FatalSchedulerError(f"unrecoverable device error: {what}") from e
+        if self.tp is not None:
+            # A rank that failed alone (or a rank that is gone) has left the others inside a
+            # collective of this step: there is no step boundary left to recover at.
+            raise FatalSchedulerError(f"a step failed on tensor-parallel rank {self.tp.rank}: {what}") from e
         last, count = self._failure_streak
         count = count + 1 if what == last else 1
         self._failure_streak = (what, count)
@@ -306,6 +316,15 @@ class Scheduler:
             raise FatalSchedulerError(f"KV accounting broken after a failed step: {e}") from e
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
+        result = self._sample_local(logits, reqs)
+        if result is None or self.tp is None:
+            return result
+        # Every rank sampled the same all-gathered logits with the same generator; rank 0's
+        # tokens are the ones every rank appends, so the ranks cannot part ways.
+        ids = self.tp.broadcast_ints([-1 if t is None else t for t in result.token_ids])
+        return SampleResult([None if t < 0 else t for t in ids], result.logprobs)
+
+    def _sample_local(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
         """Sample the batch; if that raises, sample each request alone and fail only those whose
         own sampling fails (their constraints), with None in their place."""
         if not reqs:
