@@ -102,14 +102,16 @@ class Launcher:
         from minisgl_mp.tokenizer.process import run_tokenizer_process
 
         ctx = mp.get_context("spawn")
-        targets: list[tuple[str, Callable[..., None]]] = [
-            ("scheduler", run_scheduler_process),
-            ("detokenizer", run_detokenizer_process),
-            ("tokenizer", run_tokenizer_process),
+        # One scheduler per data-parallel replica, each with its own copy of the config.
+        replicas = [replace(self.config, dp_rank=rank) for rank in range(self.config.server.dp_size)]
+        targets: list[tuple[str, Callable[..., None], ServerConfig]] = [
+            *((r.scheduler_name, run_scheduler_process, r) for r in replicas),
+            ("detokenizer", run_detokenizer_process, self.config),
+            ("tokenizer", run_tokenizer_process, self.config),
         ]
-        for name, target in targets:
+        for name, target, config in targets:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(self.config, writer), name=f"minisgl_mp-{name}", daemon=False)
+            proc = ctx.Process(target=target, args=(config, writer), name=f"minisgl_mp-{name}", daemon=False)
             proc.start()
             writer.close()
             self.children.append(Child(name, proc, reader))

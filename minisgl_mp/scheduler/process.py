@@ -160,4 +160,4 @@ def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
 
 
 def run_scheduler_process(config: ServerConfig, conn: Connection) -> None:
-    child_main("scheduler", config.server.log_level, conn, lambda s, f: _body(config, s, f))
+    child_main(config.scheduler_name, config.server.log_level, conn, lambda s, f: _body(config, s, f))
