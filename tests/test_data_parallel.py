@@ -45,9 +45,8 @@ def test_greedy_outputs_equal_one_replica(server: ServerProcess, tiny_model_dir:
                                                                          ignore_eos=True))]
     got = [_complete(server.http, server.model, p)["choices"][0]["text"] for p in PROMPTS]
     assert got == want
-    # Both replicas served some of them (no match: each goes to the shorter queue, lowest rank first).
-    load = httpx.get(server.http + "/get_server_info", timeout=30).json()
-    assert load["dp_size"] == 2 and len(load["internal_states"]) == 2
+    info = httpx.get(server.http + "/get_server_info", timeout=30).json()
+    assert info["dp_size"] == 2 and len(info["internal_states"]) == 2
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -59,7 +58,7 @@ def test_a_shared_prefix_is_served_from_the_replica_that_cached_it(server: Serve
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= prompt_tokens - 4, (topic, first["usage"], second["usage"])
     stats = httpx.get(server.http + "/engine_stats", timeout=30).json()
-    assert len(stats["dp_ranks"]) == 2
+    assert all(r["finished"] > 0 for r in stats["dp_ranks"]), stats  # new prefixes spread over both
     assert stats["cached_prompt_tokens"] == sum(r["cached_prompt_tokens"] for r in stats["dp_ranks"])
 
 

@@ -49,6 +49,10 @@ def test_ties_go_to_the_replica_with_fewer_requests_in_flight() -> None:
     assert [_submit(d, str(i), [i] * 3) for i in range(3)] == [0, 1, 2]  # short: nothing indexed
     d.release("1")
     assert _submit(d, "x", [9, 9]) == 1
+    for rid in ("0", "2", "x"):
+        d.release(rid)
+    # Idle replicas: a new prefix goes where fewer prefixes are indexed.
+    assert [_submit(d, f"p{i}", [i] * BLOCK_TOKENS) for i in range(3)] == [0, 1, 2]
 
 
 def test_the_load_guard_overrules_the_prefix_when_one_replica_is_swamped() -> None:

@@ -5,7 +5,8 @@ prefix is already cached. The dispatcher cannot see the replicas' caches; like s
 cache_aware policy it keeps its own approximate index of what it sent where, and counts each
 replica's requests in flight:
 
-    replica = longest indexed prefix of the prompt; ties (and no match at all) -> fewest in flight
+    replica = longest indexed prefix of the prompt; ties (and no match at all) -> fewest in flight,
+              then the smallest index (spreads new prefixes over the caches, as the router does)
     unless that replica is overloaded against the least-loaded one -> fewest in flight
 
 With one replica every request goes to it and nothing is indexed.
@@ -97,8 +98,8 @@ class ReplicaDispatcher:
         keys = PrefixIndex.keys(ids)
         matched = [index.match_blocks(keys) for index in self.indexes]
         least = min(self.in_flight)
-        # Longest prefix first, then fewest in flight, then the lowest rank.
-        best = min(range(self.size), key=lambda r: (-matched[r], self.in_flight[r], r))
+        # Longest prefix first, then fewest in flight, then the least indexed, then the lowest rank.
+        best = min(range(self.size), key=lambda r: (-matched[r], self.in_flight[r], len(self.indexes[r]), r))
         load = self.in_flight[best]
         if load - least > BALANCE_ABS and load > least * BALANCE_REL:
             best = min(range(self.size), key=lambda r: (self.in_flight[r], -matched[r], r))
