@@ -1,7 +1,7 @@
 """`python -m minisgl_mp.launch --model <folder | hub id | short name>`: start the server.
 
 The launcher resolves the model, makes a private directory for the internal sockets, starts
-the tokenizer, scheduler and detokenizer processes, waits until each says it is ready, prints
+the tokenizer, scheduler (one per --dp-size replica) and detokenizer processes, waits until each says it is ready, prints
 one line with the endpoints, then supervises: if any process dies, it stops the others and
 exits non-zero naming which died and why. SIGINT and SIGTERM stop everything within seconds.
 """
