@@ -1,7 +1,7 @@
 """`python -m minisgl_mp.launch --model <folder | hub id | short name>`: start the server.
 
 The launcher resolves the model, makes a private directory for the internal sockets, starts
-the tokenizer, scheduler and detokenizer processes, waits until each says it is ready, prints
+the tokenizer, scheduler (one per --dp-size replica) and detokenizer processes, waits until each says it is ready, prints
 one line with the endpoints, then supervises: if any process dies, it stops the others and
 exits non-zero naming which died and why. SIGINT and SIGTERM stop everything within seconds.
 """
@@ -105,10 +105,11 @@ class Launcher:
         ctx = mp.get_context("spawn")
         targets = scheduler_ranks(self.config)
         if self.config.server.node_rank == 0:
-            targets += [("detokenizer", run_detokenizer_process, ()), ("tokenizer", run_tokenizer_process, ())]
-        for name, target, extra in targets:
+            targets += [("detokenizer", run_detokenizer_process, self.config, ()),
+                        ("tokenizer", run_tokenizer_process, self.config, ())]
+        for name, target, config, extra in targets:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(self.config, writer, *extra), name=f"minisgl_mp-{name}",
+            proc = ctx.Process(target=target, args=(config, writer, *extra), name=f"minisgl_mp-{name}",
                                daemon=False)
             proc.start()
             writer.close()
@@ -218,12 +219,17 @@ class Launcher:
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
 
 
-def scheduler_ranks(config: ServerConfig) -> list[tuple[str, Callable[..., None], tuple[int]]]:
-    """(process name, target, (rank,)) of each scheduler process this node runs: one per
-    tensor-parallel rank here; rank 0 (on node 0) is the one named "scheduler"."""
+def scheduler_ranks(config: ServerConfig) -> list[tuple[str, Callable[..., None], ServerConfig, tuple[int]]]:
+    """(process name, target, config, (rank,)) of each scheduler process this node runs: one per
+    data-parallel replica (each with its own copy of the config), or one per tensor-parallel
+    rank here; rank 0 (on node 0) is the one named "scheduler"."""
     from minisgl_mp.scheduler.process import run_scheduler_process, scheduler_process_name
 
-    return [(scheduler_process_name(rank), run_scheduler_process, (rank,)) for rank in config.local_ranks]
+    if config.server.dp_size > 1:
+        replicas = [replace(config, dp_rank=rank) for rank in range(config.server.dp_size)]
+        return [(r.scheduler_name, run_scheduler_process, r, (0,)) for r in replicas]
+    return [(scheduler_process_name(config, rank), run_scheduler_process, config, (rank,))
+            for rank in config.local_ranks]
 
 
 def dist_init_addr(engine: EngineConfig, server: ServerArgs) -> str | None:

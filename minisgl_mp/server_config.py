@@ -30,6 +30,7 @@ class ServerArgs:
     health_timeout: float = field(default=20.0, metadata=_help("seconds /health waits for the scheduler's answer and /health_generate for its one-token generation"))
     watchdog_timeout: float = field(default=300.0, metadata=_help("a scheduler step longer than this many seconds dumps every thread's stack and stops the server (0: off)"))
     shutdown_timeout: float = field(default=30.0, metadata=_help("on SIGTERM: seconds running requests may take to finish before the rest end with finish_reason 'abort' (Ctrl+C ends them at once; a second signal stops without waiting)"))
+    dp_size: int = field(default=1, metadata=_help("data parallelism: scheduler replicas, each with the whole model, its own KV pool (--num-pages / --kv-cache-gb each) and prefix cache, behind one tokenizer process; a request goes to the replica with the longest cached prefix, ties to the shortest queue"))
     startup_timeout: float = field(default=900.0, metadata=_help("seconds to wait for every process to be ready"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     # Several machines (tensor parallelism across nodes; the ranks split evenly over them)
@@ -43,8 +44,8 @@ class ServerArgs:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.max_payload_bytes < 1024:
             raise ValueError("max_payload_bytes must be at least 1024")
-        if self.max_queued_requests < 1 or self.max_n < 1:
-            raise ValueError("max_queued_requests and max_n must be >= 1")
+        if self.max_queued_requests < 1 or self.max_n < 1 or self.dp_size < 1:
+            raise ValueError("max_queued_requests, max_n and dp_size must be >= 1")
         for name in ("health_timeout", "watchdog_timeout", "shutdown_timeout", "startup_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -77,8 +78,16 @@ class ServerConfig:
     server: ServerArgs
     model: ModelInfo
     ipc_dir: str  # private (mode 0700) directory of the internal ipc sockets
+    dp_rank: int = 0  # the scheduler replica this copy is for (each scheduler process gets its own)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.dp_rank < self.server.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is outside [0, {self.server.dp_size})")
+        if self.server.dp_size > 1 and (self.engine.tp_size > 1 or self.server.nnodes > 1):
+            # Each replica would need its own rank group and meeting address; until then, several
+            # tensor-parallel servers behind sglang-router do the same (README, Scaling out).
+            raise ValueError("--dp-size > 1 cannot be combined with --tp-size > 1 or --nnodes > 1 yet: "
+                             "run one server per replica behind sglang-router instead")
         if self.engine.tp_size % self.server.nnodes:
             raise ValueError(f"--tp-size {self.engine.tp_size} must be a multiple of --nnodes {self.server.nnodes}")
         if self.engine.tp_size > 1 and not self.server.dist_init_addr:
@@ -99,7 +108,16 @@ class ServerConfig:
 
     @property
     def scheduler_addr(self) -> str:
-        return self.ipc("scheduler")
+        """This replica's inbox."""
+        return self.scheduler_addrs[self.dp_rank]
+
+    @property
+    def scheduler_addrs(self) -> list[str]:
+        return [self.ipc(f"scheduler-{rank}") for rank in range(self.server.dp_size)]
+
+    @property
+    def scheduler_name(self) -> str:
+        return "scheduler" if self.server.dp_size == 1 else f"scheduler_dp{self.dp_rank}"
 
     @property
     def detokenizer_addr(self) -> str:

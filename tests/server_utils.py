@@ -7,17 +7,21 @@ kills the whole group, so a failing test leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import psutil
 
 from minisgl_mp.client import Client
@@ -156,3 +160,44 @@ def wait_idle_and_whole(c: Client, timeout: float = 60.0) -> dict[str, Any]:
     assert stats["protected_tokens"] == 0, stats
     assert stats["free_tokens"] + stats["evictable_tokens"] == stats["total_tokens"], stats
     return stats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_router(worker_urls: list[str], policy: str, log_path: Path, *args: str,
+                  timeout: float = 60.0) -> Iterator[str]:
+    """sglang-router (`python -m sglang_router.launch_router`) in front of `worker_urls`, in
+    its own process group; yields its URL once it answers /v1/models, stops it on exit."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--worker-urls", *worker_urls, "--policy", policy, *args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("sglang-router exited:\n" + log_path.read_text()[-3000:])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang-router not ready in {timeout:.0f}s:\n" + log_path.read_text()[-3000:])
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

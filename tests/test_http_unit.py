@@ -66,7 +66,7 @@ def run_app(tokenizer_dir: Path, scenario: Scenario, **server: Any) -> None:
                             context_len=64, vocab_size=8192),
             ipc_dir="/nonexistent")
         engine = FakeEngine()
-        manager = TokenizerManager(config, load_tokenizer(tokenizer_dir), engine, engine, Metrics("fake-model"))
+        manager = TokenizerManager(config, load_tokenizer(tokenizer_dir), [engine], engine, Metrics("fake-model"))
         dispatch = asyncio.create_task(manager.run_dispatch())
         transport = httpx.ASGITransport(app=build_app(config, manager))
         try:

@@ -5,28 +5,16 @@ and forwards /generate as is; every answer must come back whole, streamed or not
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server_utils import ServerProcess, launch_server
+from server_utils import ServerProcess, launch_router, launch_server
 
 pytest.importorskip("sglang_router")
 TIMEOUT = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,35 +25,9 @@ def replicas(tiny_model_dir: Path) -> Iterator[tuple[ServerProcess, ServerProces
 
 @pytest.fixture(scope="module")
 def router(replicas: tuple[ServerProcess, ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("router") / "router.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--worker-urls", *(r.http for r in replicas), "--policy", "round_robin"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail("sglang-router exited:\n" + log_path.read_text()[-3000:])
-            time.sleep(0.3)
-        else:
-            pytest.fail("sglang-router not ready in 60 s:\n" + log_path.read_text()[-3000:])
+    with launch_router([r.http for r in replicas], "round_robin", log_path) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _events(r: httpx.Response) -> list[dict]:

@@ -4,7 +4,8 @@
         ^                                                                   |
         +------------------------TOKENIZER_CHANNEL-------------------------+
 
-The scheduler's errors and admin replies travel through the detokenizer too, so that everything
+With --dp-size N there are N schedulers, each with its own SCHEDULER_CHANNEL inbox; all push to
+the one detokenizer. The scheduler's errors and admin replies travel through the detokenizer too, so that everything
 about a request reaches the tokenizer process in the order it happened.
 """
 

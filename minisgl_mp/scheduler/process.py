@@ -226,12 +226,12 @@ def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag, rank: int) -
             group.close()
 
 
-def scheduler_process_name(rank: int) -> str:
-    return "scheduler" if rank == 0 else f"scheduler-rank{rank}"
+def scheduler_process_name(config: ServerConfig, rank: int) -> str:
+    return config.scheduler_name if rank == 0 else f"scheduler-rank{rank}"
 
 
 def run_scheduler_process(config: ServerConfig, conn: Connection, rank: int = 0) -> None:
-    child_main(scheduler_process_name(rank), config.server.log_level, conn, lambda s, f: _body(config, s, f, rank))
+    child_main(scheduler_process_name(config, rank), config.server.log_level, conn, lambda s, f: _body(config, s, f, rank))
     if config.engine.tp_size > 1:
         # Everything is closed and the launcher told; the interpreter's own teardown after
         # torch.distributed was seen to hang in native code (no Python frame left), so leave

@@ -61,20 +61,22 @@ def add_sglang_routes(api: APIRouter, config: ServerConfig, manager: TokenizerMa
         return JSONResponse({
             "version": __version__, "model_path": model.name, "served_model_name": model.name,
             "tokenizer_path": model.tokenizer_dir, "context_length": model.context_len,
-            "tp_size": 1, "dp_size": 1, "page_size": engine.page_size,
+            "tp_size": 1, "dp_size": server.dp_size, "page_size": engine.page_size,
             "max_running_requests": engine.max_running_requests,
             "chunked_prefill_size": engine.max_prefill_tokens, "schedule_policy": engine.schedule_policy,
             "disable_radix_cache": engine.cache_type != "radix", "host": server.host, "port": server.port,
             "max_total_num_tokens": stats.get("total_tokens"),
-            "internal_states": [{"num_running_reqs": stats.get("running"), "num_queue_reqs": stats.get("waiting")}],
+            "internal_states": [{"num_running_reqs": s.get("running"), "num_queue_reqs": s.get("waiting")}
+                                for s in _per_rank(stats)],
         })
 
     @api.get("/get_load")
     async def get_load() -> Response:
         stats = (await manager.admin("stats")).result
-        used = stats.get("total_tokens", 0) - stats.get("free_tokens", 0) - stats.get("evictable_tokens", 0)
-        return JSONResponse([{"dp_rank": 0, "num_reqs": stats.get("running", 0) + stats.get("waiting", 0),
-                              "num_waiting_reqs": stats.get("waiting", 0), "num_tokens": used}])
+        return JSONResponse([{"dp_rank": rank, "num_reqs": s.get("running", 0) + s.get("waiting", 0),
+                              "num_waiting_reqs": s.get("waiting", 0),
+                              "num_tokens": s.get("total_tokens", 0) - s.get("free_tokens", 0) - s.get("evictable_tokens", 0)}
+                             for rank, s in enumerate(_per_rank(stats))])
 
     @api.get("/version")
     async def version() -> Response:
@@ -145,3 +147,8 @@ async def _tokenize(body: dict[str, Any], manager: TokenizerManager) -> list[int
     if not isinstance(add_special, bool):
         raise HttpError("add_special_tokens must be true or false", param="add_special_tokens")
     return manager.tokenizer.encode(prompt, add_special_tokens=add_special)
+
+
+def _per_rank(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each scheduler replica's stats (a merged answer carries them under "dp_ranks")."""
+    return stats.get("dp_ranks") or [stats]

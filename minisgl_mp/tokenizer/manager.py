@@ -22,6 +22,7 @@ from minisgl_mp.message.messages import (
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.metrics import Metrics
 from minisgl_mp.server_config import ServerConfig
+from minisgl_mp.tokenizer.dispatch import Queue, ReplicaDispatcher
 from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError
 
 logger = logging.getLogger("minisgl_mp.tokenizer")
@@ -48,11 +49,13 @@ class _ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, config: ServerConfig, tokenizer: Any, to_scheduler: Any, from_detokenizer: Any,
+    """`to_schedulers`: one queue per scheduler replica (--dp-size)."""
+
+    def __init__(self, config: ServerConfig, tokenizer: Any, to_schedulers: list[Queue], from_detokenizer: Any,
                  metrics: Metrics | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.to_scheduler = to_scheduler
+        self.replicas = ReplicaDispatcher(to_schedulers)
         self.from_detokenizer = from_detokenizer
         self.metrics = metrics
         self.context_len = config.model.context_len
@@ -160,7 +163,7 @@ class TokenizerManager:
             if ids is None:
                 ids = await self.prompt_ids(req)
             state.submitted = True
-            await self.to_scheduler.put(GenerateReq(rid, ids, req.params.to_dict()))
+            await self.replicas.submit(GenerateReq(rid, ids, req.params.to_dict()))
             while True:
                 msg = await state.queue.get()
                 if isinstance(msg, ReqError):
@@ -176,8 +179,9 @@ class TokenizerManager:
                     return
         finally:
             del self.states[rid]
-            if state.submitted and not state.finished:
-                self.spawn(self.to_scheduler.put(AbortReq(rid)))
+            rank = self.replicas.release(rid)
+            if state.submitted and not state.finished and rank is not None:
+                self.spawn(self.replicas.send(rank, AbortReq(rid)))
                 if self.metrics and not probe:
                     self.metrics.aborted.inc()
 
@@ -186,7 +190,7 @@ class TokenizerManager:
         states = [(rid, s) for rid, s in self.states.items() if s.submitted and not s.finished and not s.abort_sent]
         for rid, state in states:
             state.abort_sent = True
-            await self.to_scheduler.put(AbortReq(rid))
+            await self.replicas.abort(rid)
         return len(states)
 
     def _observe(self, state: _ReqState, out: TextOut) -> None:
@@ -215,38 +219,67 @@ class TokenizerManager:
         state = self.states.get(rid)
         if state is None:
             return False
-        await self.to_scheduler.put(AbortReq(rid))
+        await self.replicas.abort(rid)
         return True
 
     async def check_grammar(self, params: SamplingParams) -> None:
         """Raise RequestError (400) naming what is wrong with the request's grammar. The grammar
         engine lives in the scheduler process (this one has no torch); asking it costs one
         round trip, only for constrained requests."""
+        # One replica answers for all: a grammar's validity does not depend on where it runs.
         reply = await self._ask(lambda rid: CheckGrammarReq(rid, params.to_dict()), "check_grammar",
-                                GRAMMAR_CHECK_TIMEOUT_S)
+                                GRAMMAR_CHECK_TIMEOUT_S, ranks=[0])
         if not reply.ok:
             param = next((n for n in ("json_schema", "regex", "ebnf") if getattr(params, n) is not None), None)
             raise RequestError(str(reply.result.get("error", "invalid grammar")), param=param)
 
     async def admin(self, command: str, timeout: float = 10.0) -> AdminReply:
+        """Ask every scheduler replica; with several, one merged reply (see merge_replies)."""
         return await self._ask(lambda rid: AdminReq(rid, command), command, timeout)
 
-    async def _ask(self, make: Any, command: str, timeout: float) -> AdminReply:
-        """Send the scheduler `make(rid)` and wait for its AdminReply."""
-        rid = f"admin-{self.new_rid()}"
-        fut: asyncio.Future[AdminReply] = asyncio.get_running_loop().create_future()
-        self._admin_waiters[rid] = fut
+    async def _ask(self, make: Any, command: str, timeout: float, ranks: list[int] | None = None) -> AdminReply:
+        """Send each replica in `ranks` (default: all) `make(rid)` and wait for their AdminReplies."""
+        base = f"admin-{self.new_rid()}"
+        ranks = list(range(self.replicas.size)) if ranks is None else ranks
+        rids = [f"{base}-{rank}" for rank in ranks]
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[AdminReply]] = [loop.create_future() for _ in rids]
+        self._admin_waiters.update(zip(rids, futs))
         try:
-            await self.to_scheduler.put(make(rid))
-            return await asyncio.wait_for(fut, timeout)
+            for rank, rid in zip(ranks, rids):
+                await self.replicas.send(rank, make(rid))
+            replies = await asyncio.wait_for(asyncio.gather(*futs), timeout)
         except asyncio.TimeoutError:
-            raise RequestError(f"the scheduler did not answer {command!r} within {timeout:.0f}s",
+            late = [str(rank) for rank, f in zip(ranks, futs) if not f.done()]
+            who = "the scheduler" if self.replicas.size == 1 else f"scheduler replica(s) {', '.join(late)}"
+            raise RequestError(f"{who} did not answer {command!r} within {timeout:.0f}s",
                                kind="unavailable") from None
         finally:
-            self._admin_waiters.pop(rid, None)
+            for rid in rids:
+                self._admin_waiters.pop(rid, None)
+        if command == "flush_cache" and all(r.ok for r in replies):
+            self.replicas.forget_prefixes()
+        return replies[0] if len(replies) == 1 else merge_replies(base, list(replies))
 
     def spawn(self, coro: Any) -> None:
         """Run `coro` in the background, keeping a reference so it is not garbage-collected."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def merge_replies(rid: str, replies: list[AdminReply]) -> AdminReply:
+    """One answer for several replicas: ok when every one is; numbers summed (requests, tokens,
+    steps: totals over the server); the first error or health error named with its replica;
+    each replica's own answer under "dp_ranks"."""
+    merged: dict[str, Any] = {}
+    for rank, reply in enumerate(replies):
+        for key, value in reply.result.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+            elif value is not None and merged.get(key) is None:
+                merged[key] = f"dp rank {rank}: {value}" if key in ("error", "health_error") else value
+            else:
+                merged.setdefault(key, value)
+    merged["dp_ranks"] = [r.result for r in replies]
+    return AdminReply(rid, all(r.ok for r in replies), merged)

@@ -32,8 +32,8 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
         raise RuntimeError(f"no tokenizer found in {config.model.tokenizer_dir}")
     ctx = zmq.asyncio.Context()
     from_detok = AsyncPullQueue(ctx, config.tokenizer_addr, TOKENIZER_CHANNEL, bind=True)
-    to_sched = AsyncPushQueue(ctx, config.scheduler_addr, SCHEDULER_CHANNEL)
-    manager = TokenizerManager(config, tokenizer, to_sched, from_detok, Metrics(config.model.name))
+    to_scheds = [AsyncPushQueue(ctx, addr, SCHEDULER_CHANNEL) for addr in config.scheduler_addrs]
+    manager = TokenizerManager(config, tokenizer, to_scheds, from_detok, Metrics(config.model.name))
     zmq_frontend = ZmqFrontend(ctx, config.zmq_endpoint, manager, config.server.max_payload_bytes,
                                config.server.api_key)
     tasks = [asyncio.create_task(manager.run_dispatch(), name="dispatch"),
@@ -73,7 +73,8 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
         await asyncio.sleep(0)  # let pending abort sends go out before the sockets close
         zmq_frontend.close()
         from_detok.close()
-        to_sched.close()
+        for q in to_scheds:
+            q.close()
         ctx.term()
 
 
