@@ -46,6 +46,9 @@ class SamplingParams:
     logprob_start_len: int | None = None
     # Added to the logits before sampling: ((token id, bias), ...); a dict of them is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Constrain the output to JSON that validates against this schema (JSON text; SGLang's
+    # name). Enforced by the scheduler's grammar backend (--grammar-backend).
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON, msgpack) and a single stop string; store tuples.
@@ -104,6 +107,8 @@ class SamplingParams:
                 raise bad("logprob_start_len", "null or an integer >= 0")
             if self.logprobs is None:
                 raise ValueError("logprob_start_len needs logprobs (the top-k count, 0 for none)")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise bad("json_schema", "null or a JSON schema as a string")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:

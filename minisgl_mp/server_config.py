@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
 def _help(text: str) -> dict[str, str]:
@@ -32,6 +33,8 @@ class ServerArgs:
     shutdown_timeout: float = field(default=30.0, metadata=_help("on SIGTERM: seconds running requests may take to finish before the rest end with finish_reason 'abort' (Ctrl+C ends them at once; a second signal stops without waiting)"))
     startup_timeout: float = field(default=900.0, metadata=_help("seconds to wait for every process to be ready"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
+    tool_call_parser: str | None = field(default=None, metadata=_help(f"parse the model's tool calls into OpenAI tool_calls: {', '.join(TOOL_CALL_PARSERS)} (Qwen's <tool_call> blocks)"))
+    reasoning_parser: str | None = field(default=None, metadata=_help(f"split the model's thinking into reasoning_content: {', '.join(REASONING_PARSERS)} (<think>...</think>)"))
 
     def __post_init__(self) -> None:
         for name in ("port", "zmq_port"):
@@ -44,6 +47,10 @@ class ServerArgs:
         for name in ("health_timeout", "watchdog_timeout", "shutdown_timeout", "startup_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
