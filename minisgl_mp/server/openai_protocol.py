@@ -9,7 +9,6 @@ allowed range), so HTTP and the ZMQ endpoint reject the same request with the sa
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,13 +16,12 @@ from typing import Any
 
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.chat_output import ChatOutputSpec
+from minisgl_mp.server.chat_tools import tool_options
 from minisgl_mp.server.fanout import Choice
 from minisgl_mp.server.http_io import HttpError
 from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
-from minisgl_mp.server.parsers.constrained_calls import calls_schema
-from minisgl_mp.tokenizer.requests import (GenerateRequest, RequestError, check_messages, check_template_kwargs,
-                                           check_tools)
+from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_messages, check_template_kwargs
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
@@ -75,10 +73,10 @@ def check_model(body: dict[str, Any], model: str) -> None:
                         kind="not_found", param="model", code="model_not_found")
 
 
-def _opt_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def _opt_bool(body: dict[str, Any], name: str) -> bool:
     v = body.get(name)
     if v is None:
-        return default
+        return False
     if not isinstance(v, bool):
         raise HttpError(f"{name} must be true or false, got {v!r}", param=name)
     return v
@@ -186,69 +184,6 @@ def _new_request(chat: bool, model: str, n: int, choices: list[Choice], stream: 
                          continuous_usage=usage_opts[1], prompt_only=prompt_only, output=output)
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str:
-    """OpenAI's tool_choice as "none", "auto", "required" or the name of the function to call."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto" if tools else "none"
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise HttpError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                            '"function": {"name": ...}}', param="tool_choice")
-        if not any(t["function"]["name"] == name for t in tools or ()):
-            raise HttpError(f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
-        return name
-    if choice not in ("none", "auto", "required"):
-        raise HttpError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
-                        param="tool_choice")
-    if choice == "required" and not tools:
-        raise HttpError('tool_choice "required" needs tools', param="tool_choice")
-    return choice
-
-
-def grammar_backend(manager: TokenizerManager) -> str:
-    """The grammar backend constrained decoding runs on ("none": this server has none)."""
-    # NOTE: --grammar-backend comes with structured output (issue 16, items 1-2).
-    return getattr(manager.config.engine, "grammar_backend", None) or "none"
-
-
-def _tool_options(body: dict[str, Any], manager: TokenizerManager, template_kwargs: dict[str, Any] | None
-                  ) -> tuple[list[dict[str, Any]] | None, str | None, ChatOutputSpec]:
-    """(the tools the chat template shows, the JSON schema that constrains the output, the
-    parsers of the output), as SGLang decides them: tool_choice none hides the tools; a named
-    function shows only that one; required and named constrain the output to an array of calls."""
-    server = manager.config.server
-    tools = check_tools(body.get("tools"))
-    choice = _tool_choice(body, tools)
-    parallel = _opt_bool(body, "parallel_tool_calls", default=True)
-    separate_reasoning = _opt_bool(body, "separate_reasoning", default=True)
-    stream_reasoning = _opt_bool(body, "stream_reasoning", default=True)
-    shown = None if choice == "none" else tools
-    schema = None
-    if choice not in ("none", "auto"):
-        shown = [t for t in tools or () if choice == "required" or t["function"]["name"] == choice]
-        if grammar_backend(manager) == "none":
-            raise HttpError(f"tool_choice {choice if choice == 'required' else 'naming a function'!r} constrains "
-                            "the output, but structured output is not supported: this server has no grammar "
-                            "backend (--grammar-backend)", param="tool_choice")
-        try:
-            schema = json.dumps(calls_schema([t["function"] for t in shown], parallel))
-        except ValueError as e:
-            raise HttpError(str(e), param="tools") from None
-    spec = ChatOutputSpec(
-        tool_parser=server.tool_call_parser if choice == "auto" and tools else None,
-        tool_names=tuple(t["function"]["name"] for t in tools or ()),
-        constrained_calls=schema is not None,
-        parallel_tool_calls=parallel,
-        reasoning_parser=server.reasoning_parser if separate_reasoning else None,
-        # A constrained output is the array of calls from its first token: no thinking in it.
-        in_reasoning=(template_kwargs or {}).get("enable_thinking") is not False and schema is None,
-        stream_reasoning=stream_reasoning)
-    return shown, schema, spec
-
-
 async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
     server, model = manager.config.server, manager.config.model.name
     check_extra_fields(body, COMPLETION_FIELDS)
@@ -294,7 +229,7 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
         raise HttpError("messages is required", param="messages")
     messages = check_messages(body["messages"])
     template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
-    tools, schema, output = _tool_options(body, manager, template_kwargs)
+    tools, schema, output = tool_options(body, manager, template_kwargs)
     n = _n(body, server.max_n)
     stream = _opt_bool(body, "stream")
     usage_opts = _stream_options(body, stream)
