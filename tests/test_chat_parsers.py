@@ -325,3 +325,14 @@ def test_tool_history_renders_as_transformers_renders_it(tokenizer_dir: Path) ->
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in rendered
         assert "<tool_response>\nrain\n</tool_response>" in rendered and '"description": "Weather for a city"' in rendered
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
+
+
+def test_parser_flags_take_sglang_and_vllm_names() -> None:
+    from minisgl_mp.server_config import ServerArgs
+
+    for name in ("qwen", "qwen25", "hermes"):
+        assert ServerArgs(tool_call_parser=name, reasoning_parser="qwen3").tool_call_parser == name
+    with pytest.raises(ValueError, match="tool_call_parser must be one of qwen, qwen25, hermes, got 'llama3'"):
+        ServerArgs(tool_call_parser="llama3")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3"):
+        ServerArgs(reasoning_parser="deepseek-r1")

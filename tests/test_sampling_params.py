@@ -32,6 +32,7 @@ INVALID: dict[str, tuple[str, list[Any]]] = {
     "logprob_start_len": ("null or an integer >= 0", [-1, 1.5, True]),
     "logit_bias": ("an object mapping token ids >= 0 to numbers in [-100, 100]",
                    [5, {"x": 1}, {"1": 101}, {"-1": 1}, {"1": "2"}, [[1, 2, 3]]]),
+    "json_schema": ("null or a JSON schema as a string", [{"type": "object"}, 5]),
 }
 CASES = [(name, value) for name, (_, values) in INVALID.items() for value in values]
 

@@ -176,3 +176,5 @@ def test_constrained_tool_call(client: openai.OpenAI, server: ServerProcess, too
 def test_tokenize_renders_tools(server: ServerProcess, hf_tokenizer: Any) -> None:
     r = httpx.post(server.http + "/tokenize", json={"messages": QUESTION, "tools": [WEATHER]}, timeout=TIMEOUT)
     assert r.json()["count"] == rendered_len(hf_tokenizer, QUESTION, tools=[WEATHER])
+    info = httpx.get(server.http + "/get_server_info", timeout=TIMEOUT).json()  # SGLang's names
+    assert (info["tool_call_parser"], info["reasoning_parser"]) == ("qwen", "qwen3")

@@ -65,6 +65,7 @@ def add_sglang_routes(api: APIRouter, config: ServerConfig, manager: TokenizerMa
             "max_running_requests": engine.max_running_requests,
             "chunked_prefill_size": engine.max_prefill_tokens, "schedule_policy": engine.schedule_policy,
             "disable_radix_cache": engine.cache_type != "radix", "host": server.host, "port": server.port,
+            "tool_call_parser": server.tool_call_parser, "reasoning_parser": server.reasoning_parser,
             "max_total_num_tokens": stats.get("total_tokens"),
             "internal_states": [{"num_running_reqs": stats.get("running"), "num_queue_reqs": stats.get("waiting")}],
         })
