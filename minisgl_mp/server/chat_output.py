@@ -113,7 +113,7 @@ class ChatOutput:
                 else:
                     for i, c in enumerate(calls):
                         pieces += [ToolCallDelta(i, c.name, ""), ToolCallDelta(i, None, c.arguments)]
-        elif self.tools is not None:
+        elif self.tools is not None and (text or finished):
             text, pieces = self.tools.feed(text)
             if finished:
                 rest, more = self.tools.finish()

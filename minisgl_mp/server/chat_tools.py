@@ -46,8 +46,10 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tu
 
 def grammar_backend(manager: TokenizerManager) -> str:
     """The grammar backend constrained decoding runs on ("none": this server has none)."""
-    # NOTE: --grammar-backend comes with structured output (issue 16, items 1-2).
-    return getattr(manager.config.engine, "grammar_backend", None) or "none"
+    # NOTE: --grammar-backend comes with structured output (issue 16, items 1-2), built beside
+    # this; read by name until the two meet, on whichever config holds the flag.
+    config = manager.config
+    return getattr(config.engine, "grammar_backend", None) or getattr(config.server, "grammar_backend", None) or "none"
 
 
 def tool_options(body: dict[str, Any], manager: TokenizerManager, template_kwargs: dict[str, Any] | None

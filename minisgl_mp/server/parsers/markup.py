@@ -31,7 +31,9 @@ def new_call_id() -> str:
 def partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is the start of `tag` (but not all of it): text
     that may become `tag` once the next delta arrives, so it must be held back."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
+    i = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while i >= 0:  # leftmost first: the longest candidate
+        if tag.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(tag[0], i + 1)
     return 0
