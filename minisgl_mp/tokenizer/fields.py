@@ -36,7 +36,8 @@ def _one_of(*values: Any) -> Check:
 
 # name -> (values that leave the result unchanged, what to say when another value is sent)
 INERT_FIELDS: dict[str, tuple[Check, str]] = {
-    # Chat reads these (tools, reasoning); elsewhere they have nothing to act on.
+    # Chat reads the tool and reasoning options; elsewhere they have nothing to act on. Qwen3
+    # has no reasoning-effort levels (SGLang ignores reasoning_effort for it too).
     "separate_reasoning": (_any, ""),
     "stream_reasoning": (_any, ""),
     "reasoning_effort": (_any, ""),
