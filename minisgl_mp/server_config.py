@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minisgl_mp.engine_config import EngineConfig
+from minisgl_mp.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
 def _help(text: str) -> dict[str, str]:
@@ -37,6 +38,8 @@ class ServerArgs:
     nnodes: int = field(default=1, metadata=_help("machines the --tp-size ranks run on; node 0 also runs the tokenizer, detokenizer and HTTP"))
     node_rank: int = field(default=0, metadata=_help("this machine's index in [0, --nnodes)"))
     dist_init_addr: str | None = field(default=None, metadata=_help("host:port where the ranks meet (rank 0 listens there); required with --nnodes > 1 (default: a free port on 127.0.0.1)"))
+    tool_call_parser: str | None = field(default=None, metadata=_help(f"parse the model's tool calls into OpenAI tool_calls: {', '.join(TOOL_CALL_PARSERS)} (Qwen's <tool_call> blocks)"))
+    reasoning_parser: str | None = field(default=None, metadata=_help(f"split the model's thinking into reasoning_content: {', '.join(REASONING_PARSERS)} (<think>...</think>)"))
 
     def __post_init__(self) -> None:
         for name in ("port", "zmq_port"):
@@ -49,6 +52,10 @@ class ServerArgs:
         for name in ("health_timeout", "watchdog_timeout", "shutdown_timeout", "startup_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -84,7 +84,7 @@ COMPLETION_ROWS = [
     ({"logit_bias": {"1": 500}}, "logit_bias", "logit_bias must be an object mapping token ids >= 0 to numbers in [-100, 100]"),
     ({"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias: token id 99999 is outside the vocabulary"),
     ({"lora_path": "x"}, "lora_path", "lora_path='x' is not supported"),
-    ({"tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "tool calling is only supported on /v1/chat/completions"),
     ({"prompt": {"text": "x"}}, "prompt", "prompt must be a string, a list of strings"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": ""}, "prompt", "the prompt is empty"),
@@ -101,6 +101,7 @@ def test_completion_field_errors(http: httpx.Client, fields: dict[str, Any], par
     assert err["type"] == "invalid_request_error"
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_ROWS = [
     ({"messages": []}, "messages", "messages must be a non-empty list"),
     ({"messages": [{"content": "x"}]}, "messages", "must be an object with a string 'role'"),
@@ -108,6 +109,14 @@ CHAT_ROWS = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be an integer >= 1"),
     ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0] must be {\"type\": \"function\""),
+    ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" needs tools'),
+    ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice",
+     "names the function 'other', which is not in tools"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "null only beside tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages",
+     "messages[0].tool_calls[0].function.arguments must be valid JSON"),
 ]
 
 

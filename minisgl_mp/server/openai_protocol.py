@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl_mp.sampling_params import SamplingParams
+from minisgl_mp.server.chat_output import ChatOutputSpec
+from minisgl_mp.server.chat_tools import tool_options
 from minisgl_mp.server.fanout import Choice
 from minisgl_mp.server.http_io import HttpError
 from minisgl_mp.tokenizer.fields import check_extra_fields
@@ -31,7 +33,8 @@ FIELD_ALIASES = {"no_stop_trim": "include_stop_str_in_output"}
 _COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", *SAMPLING_FIELDS, *FIELD_ALIASES}
 COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo"})
 CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                          "chat_template_kwargs"})
+                                          "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
+                                          "separate_reasoning", "stream_reasoning"})
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
 MAX_CHAT_TOP_LOGPROBS = 20
 _SEED_MOD = 2**63
@@ -54,6 +57,7 @@ class OpenAIRequest:
     # max_tokens 0 with echo: score the prompt only. One token is generated (the engine always
     # samples one) and left out of the response.
     prompt_only: bool = False
+    output: ChatOutputSpec = ChatOutputSpec()  # chat: the parsers its choices' text goes through
 
 
 def _is_int(x: Any) -> bool:
@@ -217,11 +221,12 @@ def _fan_out(prompts: list[tuple[GenerateRequest, list[int], str]], n: int) -> l
 
 
 def _new_request(chat: bool, model: str, n: int, choices: list[Choice], stream: bool,
-                 usage_opts: tuple[bool, bool], logprobs: bool, prompt_only: bool = False) -> OpenAIRequest:
+                 usage_opts: tuple[bool, bool], logprobs: bool, prompt_only: bool = False,
+                 output: ChatOutputSpec = ChatOutputSpec()) -> OpenAIRequest:
     prefix = "chatcmpl" if chat else "cmpl"
     return OpenAIRequest(chat=chat, id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=n,
                          choices=choices, stream=stream, include_usage=usage_opts[0], logprobs=logprobs,
-                         continuous_usage=usage_opts[1], prompt_only=prompt_only)
+                         continuous_usage=usage_opts[1], prompt_only=prompt_only, output=output)
 
 
 async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> OpenAIRequest:
@@ -269,6 +274,7 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
         raise HttpError("messages is required", param="messages")
     messages = check_messages(body["messages"])
     template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    tools, schema, output = tool_options(body, manager, template_kwargs)
     n = _n(body, server.max_n)
     stream = _opt_bool(body, "stream")
     usage_opts = _stream_options(body, stream)
@@ -283,6 +289,7 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
             raise HttpError(f"max_completion_tokens must be an integer >= 1, got {body['max_completion_tokens']!r}",
                             param="max_completion_tokens")
         fields["max_tokens"] = body["max_completion_tokens"]
+    fields["json_schema"] = schema
     # Without a limit a chat reply may use the rest of the context (OpenAI's default); the
     # placeholder validates the other fields until the prompt's length is known.
     unlimited = fields["max_tokens"] is None
@@ -292,14 +299,14 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
     manager.admit_check(n)
     probe = dataclasses.replace(params, max_tokens=1, min_tokens=0) if unlimited else params
     ids = await _tokenize(manager, GenerateRequest(rid=None, params=probe, stream=stream, messages=messages,
-                                                   chat_template_kwargs=template_kwargs))
+                                                   chat_template_kwargs=template_kwargs, tools=tools))
     if unlimited:
         try:
             params = dataclasses.replace(params, max_tokens=context_len - len(ids))
         except ValueError as e:  # min_tokens over what the context leaves
             raise HttpError(str(e), param="min_tokens") from None
     req = GenerateRequest(rid=None, params=params, stream=stream, messages=messages,
-                          chat_template_kwargs=template_kwargs)
+                          chat_template_kwargs=template_kwargs, tools=tools)
     choices = _fan_out([(req, ids, "")], n)
     manager.admit_check(len(choices))
-    return _new_request(True, model, n, choices, stream, usage_opts, want_logprobs)
+    return _new_request(True, model, n, choices, stream, usage_opts, want_logprobs, output=output)

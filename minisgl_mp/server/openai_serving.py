@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from minisgl_mp.message.messages import LogprobEntry, TextOut
+from minisgl_mp.server.chat_output import ChatOutput
 from minisgl_mp.server.fanout import Choice, ChoiceResult, run_choices
 from minisgl_mp.server.http_io import SSE_DONE, error_body, json_logprob, sse
 from minisgl_mp.server.openai_protocol import OpenAIRequest
@@ -94,9 +95,12 @@ def _chat_logprobs(texts: TokenTexts, ids: list[int], entries: list[LogprobEntry
                         for t, e in zip(ids, entries)]}
 
 
-def _finish(out: TextOut) -> dict[str, Any]:
-    return {"finish_reason": out.finish_reason if out.finished else None,
-            **({"matched_stop": out.matched_stop} if out.finished else {})}
+def _finish(out: TextOut, parsed: ChatOutput | None = None) -> dict[str, Any]:
+    if not out.finished:
+        return {"finish_reason": None}
+    reason = out.finish_reason if parsed is None else parsed.finish_reason(out.finish_reason)
+    # A stop that ended a tool call is not a stop the client asked for (SGLang drops it too).
+    return {"finish_reason": reason, "matched_stop": None if reason == "tool_calls" else out.matched_stop}
 
 
 def _head(req: OpenAIRequest, chunk: bool) -> dict[str, Any]:
@@ -124,24 +128,27 @@ async def complete(req: OpenAIRequest, manager: TokenizerManager, texts: TokenTe
             r.text, r.ids, r.logprobs = [], [], []
         text = c.echo + "".join(r.text)
         choice: dict[str, Any] = {"index": c.index}
+        parsed = ChatOutput(req.output) if req.chat and req.output.active else None
         if req.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text} if parsed is None else parsed.message(text)
             choice["logprobs"] = _chat_logprobs(texts, r.ids, r.logprobs) if req.logprobs else None
         else:
             choice["text"] = text
             choice["logprobs"] = (_completion_logprobs(texts, r.ids, r.logprobs, 0, c.ids if c.echo else [],
                                                        r.prompt_logprobs)[0] if req.logprobs else None)
-        choices.append({**choice, **_finish(r.last)})
+        choices.append({**choice, **_finish(r.last, parsed)})
     return {**_head(req, chunk=False), "choices": choices, "usage": usage(req, results)}
 
 
 class _StreamState:
-    """Per-choice progress of a stream: whether the echo went out, and the text offset."""
+    """Per-choice progress of a stream: whether the echo went out, the text offset, and the
+    chat parsers' state."""
 
-    def __init__(self, choice: Choice) -> None:
+    def __init__(self, req: OpenAIRequest, choice: Choice) -> None:
         self.choice = choice
         self.echo_pending = bool(choice.echo)
         self.offset = 0
+        self.parsed = ChatOutput(req.output) if req.chat and req.output.active else None
 
 
 def _chunk_choice(req: OpenAIRequest, st: _StreamState, out: TextOut, texts: TokenTexts) -> dict[str, Any] | None:
@@ -152,9 +159,18 @@ def _chunk_choice(req: OpenAIRequest, st: _StreamState, out: TextOut, texts: Tok
         return None
     c = st.choice
     if req.chat:
-        return {"index": c.index, "delta": {"content": out.text},
-                "logprobs": _chat_logprobs(texts, out.new_ids, out.logprobs) if req.logprobs else None,
-                **_finish(out)}
+        logprobs = _chat_logprobs(texts, out.new_ids, out.logprobs) if req.logprobs else None
+        if st.parsed is None:
+            return {"index": c.index, "delta": {"content": out.text}, "logprobs": logprobs, **_finish(out)}
+        delta = st.parsed.feed(out.text)
+        if out.finished:
+            rest = st.parsed.finish()
+            delta.reasoning += rest.reasoning
+            delta.content += rest.content
+            delta.tool_calls = (delta.tool_calls or []) + (rest.tool_calls or []) or None
+        if not (delta.as_dict() or out.logprobs or out.finished):
+            return None  # all of it held back (a tag may be starting)
+        return {"index": c.index, "delta": delta.as_dict(), "logprobs": logprobs, **_finish(out, st.parsed)}
     text, logprobs = out.text, None
     prompt_ids = c.ids if st.echo_pending else []
     if st.echo_pending:
@@ -169,7 +185,7 @@ async def stream(req: OpenAIRequest, manager: TokenizerManager, texts: TokenText
     head = _head(req, chunk=True)
     extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
     results = {c.index: ChoiceResult() for c in req.choices}
-    states = {c.index: _StreamState(c) for c in req.choices}
+    states = {c.index: _StreamState(req, c) for c in req.choices}
     if req.continuous_usage:
         extra = {"usage": usage(req, results)}
     try:

@@ -24,9 +24,9 @@ from minisgl_mp.server_config import ServerConfig
 from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
 from minisgl_mp.tokenizer.requests import (GenerateRequest, check_input_ids, check_messages, check_template_kwargs,
-                                           make_params)
+                                           check_tools, make_params)
 
-TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
                    "chat_template_kwargs", "return_token_strs")
 
 
@@ -65,6 +65,7 @@ def add_sglang_routes(api: APIRouter, config: ServerConfig, manager: TokenizerMa
             "max_running_requests": engine.max_running_requests,
             "chunked_prefill_size": engine.max_prefill_tokens, "schedule_policy": engine.schedule_policy,
             "disable_radix_cache": engine.cache_type != "radix", "host": server.host, "port": server.port,
+            "tool_call_parser": server.tool_call_parser, "reasoning_parser": server.reasoning_parser,
             "max_total_num_tokens": stats.get("total_tokens"),
             "internal_states": [{"num_running_reqs": s.get("running"), "num_queue_reqs": s.get("waiting")}
                                 for s in _per_rank(stats)],
@@ -130,7 +131,8 @@ def add_sglang_routes(api: APIRouter, config: ServerConfig, manager: TokenizerMa
 
 
 async def _tokenize(body: dict[str, Any], manager: TokenizerManager) -> list[int]:
-    """A prompt (add_special_tokens, default true) or chat messages (through the template)."""
+    """A prompt (add_special_tokens, default true) or chat messages and tools (through the
+    template, as a chat request renders them: vLLM's shape)."""
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise HttpError("give exactly one of 'prompt' and 'messages'")
     if body.get("messages") is not None:
@@ -138,7 +140,8 @@ async def _tokenize(body: dict[str, Any], manager: TokenizerManager) -> list[int
         if body.get("add_generation_prompt") is False:
             raise HttpError("add_generation_prompt: false is not supported", param="add_generation_prompt")
         req = GenerateRequest(rid=None, params=make_params({"max_tokens": 1}),
-                              messages=check_messages(body["messages"]), chat_template_kwargs=kwargs)
+                              messages=check_messages(body["messages"]), chat_template_kwargs=kwargs,
+                              tools=check_tools(body.get("tools")))
         return await manager.prompt_ids(req)
     prompt = body["prompt"]
     if not isinstance(prompt, str):

@@ -36,13 +36,14 @@ def _one_of(*values: Any) -> Check:
 
 # name -> (values that leave the result unchanged, what to say when another value is sent)
 INERT_FIELDS: dict[str, tuple[Check, str]] = {
-    # No reasoning parser and no tool calling here: SGLang ignores these without one too.
+    # Chat reads the tool and reasoning options; elsewhere they have nothing to act on. Qwen3
+    # has no reasoning-effort levels (SGLang ignores reasoning_effort for it too).
     "separate_reasoning": (_any, ""),
     "stream_reasoning": (_any, ""),
     "reasoning_effort": (_any, ""),
     "parallel_tool_calls": (_any, ""),
-    "tool_choice": (_one_of("none", "auto"), "tool calling is not supported"),
-    "tools": (_unset, "tool calling is not supported"),
+    "tool_choice": (_one_of("none", "auto"), "tool calling is only supported on /v1/chat/completions"),
+    "tools": (_unset, "tool calling is only supported on /v1/chat/completions"),
     "functions": (_unset, "function calling is not supported"),
     "function_call": (_one_of("none", "auto"), "function calling is not supported"),
     # Only fast tokenizers are loaded, which put no spaces between special tokens either way.

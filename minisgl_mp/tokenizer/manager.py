@@ -100,8 +100,8 @@ class TokenizerManager:
                 raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
         elif req.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True,
-                                                          **(req.chat_template_kwargs or {}))
+                text = self.tokenizer.apply_chat_template(req.messages, tools=req.tools, tokenize=False,
+                                                          add_generation_prompt=True, **(req.chat_template_kwargs or {}))
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault
                 raise RequestError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
             ids = await self._encode(text, add_special_tokens=False)

@@ -6,6 +6,7 @@ are checked by the same rules and fail with the same messages.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,9 +32,11 @@ class GenerateRequest:
     stream: bool = False
     text: str | None = None
     input_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     # Extra variables for the chat template, e.g. {"enable_thinking": False} for Qwen3.
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's tools ({"type": "function", "function": {...}}), for the chat template.
+    tools: list[dict[str, Any]] | None = None
 
 
 def check_rid(rid: Any) -> str | None:
@@ -44,23 +47,90 @@ def check_rid(rid: Any) -> str | None:
     return rid
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
+def _text(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: text only
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+            raise RequestError(f"{where}.content: only text parts are supported", param="messages")
+        return "".join(parts)
+    raise RequestError(f"{where}.content must be a string", param="messages")
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, with each call's arguments (JSON text in OpenAI's
+    messages) as the object chat templates expect, as SGLang passes them."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"arguments\": ...}}", param="messages")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be valid JSON",
+                                   param="messages") from None
+        if not isinstance(args, dict):
+            raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param="messages")
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's chat messages, as the chat template receives them: text content, and for
+    tool use an assistant's `tool_calls` (its content may then be null) and `role: "tool"`
+    results with their `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": m["role"], "content": content})
+            raise RequestError(f"{where} must be an object with a string 'role'", param="messages")
+        content = _text(m.get("content"), where)
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise RequestError(f"{where}: only assistant messages have tool_calls", param="messages")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if content is None and "tool_calls" not in msg:
+            raise RequestError(f"{where}.content must be a string (null only beside tool_calls)", param="messages")
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if m.get(name) is not None:
+                if not isinstance(m[name], str):
+                    raise RequestError(f"{where}.{name} must be a string", param="messages")
+                msg[name] = m[name]
+        out.append(msg)
     return out
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI's `tools`: function definitions with a unique name and a JSON-schema object as
+    `parameters`."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        if name in names:
+            raise RequestError(f"tools[{i}]: the function {name!r} is defined twice", param="tools")
+        names.add(name)
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+    return tools or None
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any] | None:

@@ -39,7 +39,7 @@ from minisgl_mp.tools.make_tokenizer import (
 )
 
 # Bumped whenever the same config and seed would produce different files.
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"
 
 # Weight init. A 0.02-std model predicts its own input token (tied embeddings and a residual
 # stream dominated by the embedding), so greedy output repeats one token. Projections get

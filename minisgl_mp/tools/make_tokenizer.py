@@ -1,5 +1,6 @@
 """The generated checkpoint's tokenizer: a byte-level BPE trained offline, deterministically,
-on text that ships with Python, with Qwen's special tokens, pre-tokenizer and chat template."""
+on text that ships with Python, with Qwen's special tokens, tool and think markers,
+pre-tokenizer and Qwen3's chat template."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
+
+from minisgl_mp.tools.qwen3_template import QWEN3_CHAT_TEMPLATE
 
 # Special tokens come right after the BPE vocabulary, as in Qwen (151643 BPE tokens, then
 # <|endoftext|>=151643, <|im_start|>=151644, <|im_end|>=151645): here 8000, 8001, 8002.
 BPE_VOCAB_SIZE = 8000
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen3's tool and think markers, one token each right after the special tokens (8003-8008),
+# added as Qwen3's tokenizer adds them: special=False, so skip_special_tokens keeps them in
+# the text, where the tool-call and reasoning parsers find them.
+MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
 
 # Qwen2/Qwen3's pre-tokenizer split: contractions, letter runs, single digits, punctuation runs.
@@ -29,12 +36,6 @@ CORPUS_MODULES = (
     "functools", "dataclasses", "inspect", "difflib", "doctest",
 )  # fmt: skip
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def train_tokenizer() -> Tokenizer:
@@ -65,6 +66,7 @@ def train_tokenizer() -> Tokenizer:
     if tokenizer.get_vocab_size() != BPE_VOCAB_SIZE:
         raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} tokens, not {BPE_VOCAB_SIZE}")
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tokenizer
 
 
@@ -75,6 +77,12 @@ def tokenizer_config(tokenizer: Tokenizer, model_max_length: int) -> dict[str, A
             "rstrip": False, "single_word": False, "special": True,
         }  # fmt: skip
         for token in SPECIAL_TOKENS
+    } | {
+        str(tokenizer.token_to_id(token)): {
+            "content": token, "lstrip": False, "normalized": False,
+            "rstrip": False, "single_word": False, "special": False,
+        }  # fmt: skip
+        for token in MARKUP_TOKENS
     }
     return {
         "tokenizer_class": "Qwen2Tokenizer",
@@ -90,7 +98,7 @@ def tokenizer_config(tokenizer: Tokenizer, model_max_length: int) -> dict[str, A
         "split_special_tokens": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": QWEN3_CHAT_TEMPLATE,
     }
 
 
