@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant-batch-sizes", type=int_list, default=[1])
     p.add_argument("--timeout", type=float, default=3600, help="seconds each system may take")
     p.add_argument("--peers-dir", type=Path, default=Path(".peers"), help="where make bench-peers-setup put them")
+    p.add_argument("--reuse", type=Path, help="an earlier report: its systems not run now are taken from it "
+                   "(marked reused_from), e.g. to rerun the engine against a vLLM run without its compile")
     p.add_argument("--out", type=Path, default=Path("bench_results/peers.json"))
     p.add_argument("--plot", type=Path, default=Path("bench_results/peers.png"))
     return p
@@ -315,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                 g, model_dir, spec, args.measures if full else args.variant_measures,
                 args.decode_batch_sizes if full else args.variant_batch_sizes, args.peers_dir, work, args.timeout)))
     results: dict[str, dict[str, Any]] = {}
+    if args.reuse:
+        earlier = json.loads(args.reuse.read_text(encoding="utf-8"))
+        now = {name for name, _ in runs}
+        results |= {name: {**r, "reused_from": str(args.reuse)} for name, r in earlier["results"].items()
+                    if name not in now}
     for name, run in runs:
         print(f"== {name}", flush=True)
         results[name] = run()

@@ -24,6 +24,12 @@ from minisgl_mp.bench.workloads import Conversation, Turn, Workload
 from minisgl_mp.llm import LLM
 
 
+def save(result: dict[str, Any], path: str) -> None:
+    """After each measure, so a run stopped by the timeout still reports what it measured."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+
+
 def build(spec: dict[str, Any]) -> LLM:
     per_decode = spec["decode_context"] + spec["warmup_steps"] + spec["decode_steps"] + 8
     per_fixed = max(len(p) for p in spec["requests"]) + spec["output_len"] + 8
@@ -44,8 +50,7 @@ def main() -> int:
     try:
         llm = build(spec)
     except (TypeError, ValueError) as e:  # an option this tree's EngineConfig rejects
-        json.dump({"skipped": f"the engine rejected {spec['engine']}: {type(e).__name__}: {e}"},
-                  open(out_path, "w", encoding="utf-8"))
+        save({"skipped": f"the engine rejected {spec['engine']}: {type(e).__name__}: {e}"}, out_path)
         return 0
     result: dict[str, Any] = {"engine_kwargs": spec["engine"], "startup_s": time.perf_counter() - start,
                               "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
@@ -59,6 +64,7 @@ def main() -> int:
         result["fixed"] = {"seconds": r.seconds, "output_tokens": r.output_tokens, "input_tokens": r.input_tokens,
                            "output_tps": r.output_tps, "engine_stats": r.extra}
         llm.scheduler.flush_cache()
+        save(result, out_path)
     if "prefill" in measures:
         ids = spec["prefill_requests"]
         begin = time.perf_counter()
@@ -67,6 +73,7 @@ def main() -> int:
         tokens = sum(len(p) for p in ids)
         result["prefill"] = {"seconds": seconds, "tokens": tokens, "tps": tokens / seconds}
         llm.scheduler.flush_cache()
+        save(result, out_path)
     if "decode" in measures:
         result["decode"] = []
         for b in spec["decode_batch_sizes"]:
@@ -74,8 +81,8 @@ def main() -> int:
                                                  spec["warmup_steps"], spec["token_range"], spec["seed"], False)
             result["decode"].append({"batch": b, "step_ms": 1e3 * statistics.median(t),
                                      "mean_ms": 1e3 * statistics.fmean(t), "steps": len(t)})
-            json.dump(result, open(out_path, "w", encoding="utf-8"), indent=2)  # partial, in case
-    json.dump(result, open(out_path, "w", encoding="utf-8"), indent=2)
+            save(result, out_path)
+    save(result, out_path)
     return 0
 
 

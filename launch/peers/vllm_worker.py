@@ -83,6 +83,12 @@ def decode_steps(llm: Any, batch: int, spec: dict[str, Any], rng: random.Random)
     return times
 
 
+def save(result: dict[str, Any], path: str) -> None:
+    """After each measure, so a run stopped by the timeout still reports what it measured."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+
+
 def main() -> int:
     spec = json.load(open(sys.argv[1], encoding="utf-8"))
     env(spec)
@@ -103,12 +109,14 @@ def main() -> int:
         seconds, out = timed_generate(llm, spec["requests"], spec["output_len"])
         inp = sum(len(p) for p in spec["requests"])
         result["fixed"] = {"seconds": seconds, "output_tokens": out, "input_tokens": inp, "output_tps": out / seconds}
+        save(result, sys.argv[2])
     if "prefill" in measures:
         # One output token: the time is the prompts' prefill plus one sampling step.
         ids = spec["prefill_requests"]
         seconds, _ = timed_generate(llm, ids, 1)
         tokens = sum(len(p) for p in ids)
         result["prefill"] = {"seconds": seconds, "tokens": tokens, "tps": tokens / seconds}
+        save(result, sys.argv[2])
     if "decode" in measures:
         rng = random.Random(spec["seed"])
         result["decode"] = []
@@ -116,8 +124,8 @@ def main() -> int:
             t = decode_steps(llm, b, spec, rng)
             result["decode"].append({"batch": b, "step_ms": 1e3 * statistics.median(t),
                                      "mean_ms": 1e3 * statistics.fmean(t), "steps": len(t)})
-            json.dump(result, open(sys.argv[2], "w", encoding="utf-8"), indent=2)  # partial, in case
-    json.dump(result, open(sys.argv[2], "w", encoding="utf-8"), indent=2)
+            save(result, sys.argv[2])
+    save(result, sys.argv[2])
     return 0
 
 
