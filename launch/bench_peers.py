@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant-measures", type=csv(MEASURES), default=["decode"],
                    help="for the other weight formats (default: decode only)")
     p.add_argument("--variant-batch-sizes", type=int_list, default=[1])
+    p.add_argument("--vllm-kv-gib", type=int, default=6, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE); "
+                   "6 holds 64 x 266 float32 tokens of Qwen3-0.6B")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM without its compiled graph (a quick check "
+                   "that it runs; not its speed)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each system may take")
     p.add_argument("--peers-dir", type=Path, default=Path(".peers"), help="where make bench-peers-setup put them")
     p.add_argument("--reuse", type=Path, help="an earlier report: its systems not run now are taken from it "
@@ -121,7 +125,7 @@ def make_spec(args: argparse.Namespace, model_dir: Path, vocab_size: int) -> dic
             "max_num_seqs": max([args.num_prompts, *args.decode_batch_sizes]),
             "max_model_len": max(args.input_len + args.output_len,
                                  args.decode_context + args.warmup_steps + args.decode_steps + 8) + 64,
-            "kv_cache_gib": 6}
+            "kv_cache_gib": args.vllm_kv_gib, "vllm_eager": args.vllm_eager}
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:

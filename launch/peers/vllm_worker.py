@@ -5,7 +5,7 @@ standard library, so it needs nothing of ours).
 
 SPEC: {"model", "threads", "requests": [[ids...], ...], "output_len", "prefill_requests",
 "decode_batch_sizes", "decode_context", "decode_steps", "warmup_steps", "token_range", "seed",
-"max_num_seqs", "max_model_len", "kv_cache_gib", "measures"}.
+"max_num_seqs", "max_model_len", "kv_cache_gib", "measures", "vllm_eager"}.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so `llm_engine.step()`
 is exactly one scheduler step and can be timed one by one, as our engine's steps are.
 """
@@ -55,15 +55,19 @@ def decode_steps(llm: Any, batch: int, spec: dict[str, Any], rng: random.Random)
     steps, warmup = int(spec["decode_steps"]), int(spec["warmup_steps"])
     params = SamplingParams(max_tokens=warmup + steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
     rids = [f"decode-{batch}-{i}" for i in range(batch)]
+    internal = {}  # vLLM may suffix the ids it is given; outputs carry either, by version
     for rid in rids:
         ids = [rng.randrange(spec["token_range"]) for _ in range(spec["decode_context"])]
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        internal[engine.add_request(rid, {"prompt_token_ids": ids}, params) or rid] = rid
     produced = dict.fromkeys(rids, 0)
 
     def step() -> int:
         outs = engine.step()
         for o in outs:
-            produced[o.request_id] = len(o.outputs[0].token_ids)
+            rid = o.request_id if o.request_id in produced else internal.get(o.request_id)
+            if rid is None:
+                raise RuntimeError(f"an output for a request not added here: {o.request_id}")
+            produced[rid] = len(o.outputs[0].token_ids)
         return len(outs)
 
     while min(produced.values()) < 1:  # prefill (chunked as vLLM chooses)
@@ -98,9 +102,10 @@ def main() -> int:
 
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", seed=spec["seed"], max_num_seqs=spec["max_num_seqs"],
-              max_model_len=spec["max_model_len"], enable_prefix_caching=False, skip_tokenizer_init=False)
+              max_model_len=spec["max_model_len"], enable_prefix_caching=False,
+              enforce_eager=bool(spec.get("vllm_eager", False)))
     result: dict[str, Any] = {"system": "vllm-cpu", "version": vllm.__version__, "torch": torch.__version__,
-                              "startup_s": time.perf_counter() - start,
+                              "startup_s": time.perf_counter() - start, "eager": bool(spec.get("vllm_eager")),
                               "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
                                                                  "VLLM_ENABLE_V1_MULTIPROCESSING")}}
     timed_generate(llm, [spec["requests"][0][:16]], 4)  # first-call costs, untimed
