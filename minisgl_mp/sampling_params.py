@@ -113,8 +113,6 @@ class SamplingParams:
                 raise bad("logprob_start_len", "null or an integer >= 0")
             if self.logprobs is None:
                 raise ValueError("logprob_start_len needs logprobs (the top-k count, 0 for none)")
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise bad("json_schema", "null or a JSON schema as a string")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:

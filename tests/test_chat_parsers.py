@@ -314,7 +314,7 @@ def test_tool_history_renders_as_transformers_renders_it(tokenizer_dir: Path) ->
         openai_history[3], {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
     ]
     config = SimpleNamespace(model=SimpleNamespace(context_len=4096, vocab_size=8192))
-    manager = TokenizerManager(config, tok, None, None)  # type: ignore[arg-type]
+    manager = TokenizerManager(config, tok, [None], None)  # type: ignore[arg-type]
     for kwargs in ({}, {"enable_thinking": False}):
         req = GenerateRequest(rid=None, params=SamplingParams(max_tokens=1), messages=check_messages(openai_history),
                               tools=tools, chat_template_kwargs=kwargs or None)

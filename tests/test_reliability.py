@@ -207,7 +207,7 @@ def test_sockets_are_private_and_on_loopback(server: ServerProcess) -> None:
     ipc = Path(next(m.group(1) for line in server.read_log() if (m := re.search(r"internal sockets in (\S+)", line))))
     mode = stat.S_IMODE(ipc.stat().st_mode)
     assert mode == 0o700, oct(mode)
-    assert sorted(p.name for p in ipc.iterdir()) == ["detokenizer.sock", "scheduler.sock", "tokenizer.sock"]
+    assert sorted(p.name for p in ipc.iterdir()) == ["detokenizer.sock", "scheduler-0.sock", "tokenizer.sock"]
     listening = [c for p in server.children() for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
 

@@ -7,19 +7,10 @@ import json
 from typing import Any
 
 from minisgl_mp.server.chat_output import ChatOutputSpec
-from minisgl_mp.server.http_io import HttpError
+from minisgl_mp.server.http_io import HttpError, opt_bool
 from minisgl_mp.server.parsers.constrained_calls import calls_schema
 from minisgl_mp.tokenizer.manager import TokenizerManager
 from minisgl_mp.tokenizer.requests import check_tools
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise HttpError(f"{name} must be true or false, got {v!r}", param=name)
-    return v
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
@@ -60,9 +51,9 @@ def tool_options(body: dict[str, Any], manager: TokenizerManager, template_kwarg
     server = manager.config.server
     tools = check_tools(body.get("tools"))
     choice, named = _tool_choice(body, tools)
-    parallel = _flag(body, "parallel_tool_calls", default=True)
-    separate_reasoning = _flag(body, "separate_reasoning", default=True)
-    stream_reasoning = _flag(body, "stream_reasoning", default=True)
+    parallel = opt_bool(body, "parallel_tool_calls", default=True)
+    separate_reasoning = opt_bool(body, "separate_reasoning", default=True)
+    stream_reasoning = opt_bool(body, "stream_reasoning", default=True)
     shown = None if choice == "none" else tools
     schema = None
     if choice in ("required", "named"):

@@ -40,6 +40,17 @@ class HttpError(RequestError):
         self.code = code
 
 
+def opt_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """An optional boolean field of a request body: `default` when absent or null, else a 400
+    unless it is true or false."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise HttpError(f"{name} must be true or false, got {v!r}", param=name)
+    return v
+
+
 def error_body(err: RequestError) -> dict[str, Any]:
     code = getattr(err, "code", None) or err.kind
     return {"error": {"message": err.message, "type": _ERROR_TYPES.get(err.kind, "internal_error"),

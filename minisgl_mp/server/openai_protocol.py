@@ -19,7 +19,7 @@ from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.chat_output import ChatOutputSpec
 from minisgl_mp.server.chat_tools import tool_options
 from minisgl_mp.server.fanout import Choice
-from minisgl_mp.server.http_io import HttpError
+from minisgl_mp.server.http_io import HttpError, opt_bool
 from minisgl_mp.tokenizer.fields import check_extra_fields
 from minisgl_mp.tokenizer.manager import TokenizerManager
 from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_messages, check_template_kwargs
@@ -75,15 +75,6 @@ def check_model(body: dict[str, Any], model: str) -> None:
                         kind="not_found", param="model", code="model_not_found")
 
 
-def _opt_bool(body: dict[str, Any], name: str) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise HttpError(f"{name} must be true or false, got {v!r}", param=name)
-    return v
-
-
 def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
     if v is None:
@@ -112,7 +103,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
     if not isinstance(opts, dict):
         raise HttpError("stream_options must be an object", param="stream_options")
     check_extra_fields(opts, ("include_usage", "continuous_usage_stats"), where="stream_options.")
-    return _opt_bool(opts, "include_usage"), _opt_bool(opts, "continuous_usage_stats")
+    return opt_bool(opts, "include_usage"), opt_bool(opts, "continuous_usage_stats")
 
 
 
@@ -238,9 +229,9 @@ async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> O
         raise HttpError("prompt is required", param="prompt")
     prompts = _prompts(body["prompt"])
     n = _n(body, server.max_n)
-    stream = _opt_bool(body, "stream")
+    stream = opt_bool(body, "stream")
     usage_opts = _stream_options(body, stream)
-    echo = _opt_bool(body, "echo")
+    echo = opt_bool(body, "echo")
     top = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top, **_grammar_fields(body)}
     # vLLM's way to score a prompt: max_tokens 0 with echo (lm-eval's loglikelihood sends 1).
@@ -276,9 +267,9 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
     template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     tools, schema, output = tool_options(body, manager, template_kwargs)
     n = _n(body, server.max_n)
-    stream = _opt_bool(body, "stream")
+    stream = opt_bool(body, "stream")
     usage_opts = _stream_options(body, stream)
-    want_logprobs = _opt_bool(body, "logprobs")
+    want_logprobs = opt_bool(body, "logprobs")
     top = _opt_int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise HttpError("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -289,7 +280,12 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
             raise HttpError(f"max_completion_tokens must be an integer >= 1, got {body['max_completion_tokens']!r}",
                             param="max_completion_tokens")
         fields["max_tokens"] = body["max_completion_tokens"]
-    fields["json_schema"] = schema
+    if schema is not None:  # tool_choice "required" or a named function: the calls' schema
+        if any(fields.get(n) is not None for n in ("json_schema", "regex", "ebnf")):
+            raise HttpError("tool_choice 'required' or a named function constrains the output itself; "
+                            "it cannot be combined with response_format or json_schema / regex / ebnf",
+                            param="tool_choice")
+        fields["json_schema"] = schema
     # Without a limit a chat reply may use the rest of the context (OpenAI's default); the
     # placeholder validates the other fields until the prompt's length is known.
     unlimited = fields["max_tokens"] is None
