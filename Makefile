@@ -26,7 +26,10 @@ $(VENV)/.installed: pyproject.toml
 
 model: install $(MODEL_DIR)/model.safetensors
 
-$(MODEL_DIR)/model.safetensors: configs/models/$(MODEL_NAME).json
+# The builder's own sources are prerequisites too: a new builder version (a changed tokenizer
+# or chat template) rebuilds the model instead of leaving a stale one for the tests.
+MODEL_BUILDER := $(wildcard minisgl_mp/tools/make_model.py minisgl_mp/tools/make_tokenizer.py minisgl_mp/tools/qwen3_template.py)
+$(MODEL_DIR)/model.safetensors: configs/models/$(MODEL_NAME).json $(MODEL_BUILDER)
 	$(PYTHON) -m minisgl_mp.tools.make_model --config configs/models/$(MODEL_NAME).json --out $(MODEL_DIR)
 
 test: install model

@@ -5,6 +5,7 @@
     python launch/bench_offline.py --workload shared-prefix --compare-naive --quick
     python launch/bench_offline.py --workload multi-turn --quick
     python launch/bench_offline.py --decode-floor --batch-sizes 1,64 --context-len 256
+    python launch/bench_offline.py --prefill-floor --prompt-len 2048
 
 The engine runs every request of the workload in one batch of work (one round per turn for
 multi-turn); the baselines then run in the same process on the same requests: transformers
@@ -15,6 +16,8 @@ Baselines may be capped (--hf-max-requests) to fit in time: the ratios compare p
 rates, which a smaller run of the same workload still measures (less batching helps neither).
 --decode-floor instead compares one engine decode step with its bare matrix products and with
 the machine's bandwidth and FLOP/s floors (see minisgl_mp/bench/decode_floor.py).
+--prefill-floor times one long prompt's prefill (one step) against its matrix-product FLOPs at
+the matmul rate measured in the same run, and against the bare chain of its layer products.
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps first")
     f.add_argument("--chain-reps", type=int, default=10, help="timed runs of each matmul chain")
     f.add_argument("--bandwidth-mib", type=int, default=512, help="tensor size for the bandwidth test")
+    g = p.add_argument_group("--prefill-floor")
+    g.add_argument("--prefill-floor", action="store_true", help="measure a long prefill vs its FLOPs at the matmul rate")
+    g.add_argument("--prompt-len", type=int, help="prompt tokens (default 2048; quick 512)")
+    g.add_argument("--prefill-reps", type=int, default=3, help="timed prefills (after one untimed)")
     return p
 
 
@@ -212,6 +219,26 @@ def floor_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
                              "bandwidth": bw, "matmul": mm, "rows": rows}}
 
 
+def prefill_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
+    prompt_len = pick(args.prompt_len, 2048, 512, args)
+    kw = engine_kwargs(args, model, args.cache_type)
+    kw |= {"max_prefill_tokens": max(prompt_len, args.max_prefill_tokens), "max_running_requests": 1,
+           "num_pages": args.num_pages or -(-(prompt_len + 8) // args.page_size)}
+    llm = LLM(model.engine_model, **kw)
+    token_range = token_range_of(llm.tokenizer, llm.scheduler.runner.model_config.vocab_size)
+    print("measuring matmul FLOP/s", flush=True)
+    mm = decode_floor.measure_matmul()
+    row = decode_floor.measure_prefill(llm, prompt_len, args.prefill_reps, token_range, args.seed, mm)
+    print(f"matmul {mm['gflops']:.1f} GFLOP/s")
+    print(table(["prompt", "prefill ms", "tok/s", "GFLOP/s", "floor ms", "layer products ms", "prefill/floor",
+                 "attention share"],
+                [[prompt_len, row["prefill_ms"]["median"], row["prefill_tps"], row["gflops_achieved"],
+                  row["floor_flops_ms"], row["chain_layer_products_ms"], row["ratios"]["prefill_over_floor_flops"],
+                  row["attention_share_of_flops"]]]))
+    return {"prefill_floor": {"engine_overrides": {k: kw[k] for k in ("max_prefill_tokens", "num_pages")},
+                              "matmul": mm, **row}}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_threads:
@@ -221,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = prepare_model(name, args.load_format, args.checkpoint_dir, args.seed, args.write_checkpoint)
         print(f"model {name}: {model.note}", flush=True)
-        body = floor_report(args, model) if args.decode_floor else throughput(args, model)
+        if args.prefill_floor:
+            body = prefill_report(args, model)
+        else:
+            body = floor_report(args, model) if args.decode_floor else throughput(args, model)
     except ValueError as e:
         print(f"bench_offline: {e}", file=sys.stderr)
         return 2
-    mode = "decode_floor" if args.decode_floor else args.workload.replace("-", "_")
+    mode = ("prefill_floor" if args.prefill_floor else "decode_floor" if args.decode_floor
+            else args.workload.replace("-", "_"))
     report = {"mode": mode, "quick": args.quick, "argv": sys.argv[1:] if argv is None else argv,
               "model": {"name": name, **model.to_dict(), "quick_shape": args.quick and args.model is None},
               "engine": engine_kwargs(args, model, args.cache_type), "machine": machine_info(), **body,
@@ -235,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               "wall_seconds": time.perf_counter() - start}
     if args.quick and args.model is None:
         print(f"quick mode: the {QUICK_MODEL} shape (configs/models/{QUICK_MODEL}.json), not Qwen3-0.6B")
-    if not args.decode_floor:
+    if not (args.decode_floor or args.prefill_floor):
         print_throughput(report)
     out = write_json(args.out or Path(f"bench_results/offline_{mode}.json"), report)
     print(f"wrote {out} ({report['wall_seconds']:.0f}s)")

@@ -96,6 +96,21 @@ def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert all(v > 0 for v in row["ratios"].values())
 
 
+def test_offline_prefill_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "prefill.json"
+    assert load_tool("bench_offline").main([
+        "--model", str(tiny_model_dir), "--prefill-floor", "--prompt-len", "64", "--prefill-reps", "1",
+        "--no-progress", "--out", str(out)]) == 0
+    pf = read(out)["prefill_floor"]
+    assert pf["prompt_len"] == 64 and pf["runs"] == 1 and pf["prefill_ms"]["median"] > 0
+    # Causal attention over 64 tokens is 64*65/2 query-key pairs per head, QK^T and PV each.
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    heads, dim = cfg["num_attention_heads"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert pf["flops"]["attention"] == cfg["num_hidden_layers"] * 4 * heads * dim * (64 * 65 // 2)
+    assert pf["flops"]["lm_head"] == 2 * cfg["vocab_size"] * cfg["hidden_size"]
+    assert all(v > 0 for v in pf["ratios"].values())
+
+
 def test_weight_formats_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "weights.json"
     assert load_tool("bench_weights").main([

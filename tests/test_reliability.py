@@ -149,7 +149,7 @@ def test_a_client_that_stops_reading_neither_stalls_others_nor_grows_memory(serv
 
     for i in range(4):
         slow.send(msgpack.packb({"rid": f"slow-{i}", "input_ids": [5, 6, 7], "stream": True,
-                                 "sampling_params": {"max_tokens": 4000, "ignore_eos": True}}))
+                                 "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}))
     tokenizer_proc = psutil.Process(server.child_pids()["tokenizer"])
     rss_before = tokenizer_proc.memory_info().rss
     try:

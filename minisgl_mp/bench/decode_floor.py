@@ -146,3 +146,76 @@ def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: 
         }
         rows.append(row)
     return rows
+
+
+def prefill_flops(model: torch.nn.Module, prompt_len: int) -> dict[str, int]:
+    """Matrix-product FLOPs of prefilling one `prompt_len`-token prompt: every layer's products
+    on all its tokens, causal attention (QK^T and PV over the lower triangle), and the LM head
+    on the last token only (the one sampled)."""
+    per_token = sum(m.weight.numel() for layer in model.layers
+                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    attn = model.layers[0].self_attn
+    heads, head_dim = attn.num_heads, attn.head_dim
+    pairs = prompt_len * (prompt_len + 1) // 2  # (query, key) pairs under the causal mask
+    return {"linear": 2 * prompt_len * per_token,
+            "attention": len(model.layers) * 2 * 2 * heads * head_dim * pairs,
+            "lm_head": 2 * model.lm_head.weight.numel()}
+
+
+def engine_prefill(llm: LLM, prompt_len: int, reps: int, token_range: int, seed: int) -> list[float]:
+    """Seconds the scheduler takes to prefill one `prompt_len`-token prompt from nothing (one
+    step: the prefill budget must hold the prompt) and sample its first token; the prefix
+    cache is flushed between runs so nothing is reused."""
+    sched = llm.scheduler
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(reps + 1):  # the first run is untimed: first-touch costs
+        sched.add_request(f"prefill-{i}", torch.randint(token_range, (prompt_len,), generator=gen).tolist(), params)
+        start = time.perf_counter()
+        steps = 0
+        while sched.has_work:
+            sched.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+        if sched.stats.prefill_tokens == 0 or steps != 1:
+            raise RuntimeError(f"the {prompt_len}-token prefill took {steps} steps: raise --max-prefill-tokens")
+        sched.flush_cache()
+        if i:
+            times.append(elapsed)
+    return times
+
+
+def measure_prefill(llm: LLM, prompt_len: int, reps: int, token_range: int, seed: int,
+                    matmul: dict[str, float]) -> dict[str, Any]:
+    """A long prompt's prefill against its FLOPs at the machine's measured matmul rate, and
+    against the bare chain of its products on [prompt_len, in] inputs."""
+    model = llm.scheduler.runner.model
+    times = engine_prefill(llm, prompt_len, reps, token_range, seed)
+    flops = prefill_flops(model, prompt_len)
+    linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    inputs = {m.in_features: torch.randn(prompt_len, m.in_features) for m in linears}
+
+    @torch.inference_mode()
+    def layer_products() -> None:  # the prefill's products alone, through the engine's Linear
+        for m in linears:
+            m(inputs[m.in_features])
+
+    chain_s = statistics.median(best_seconds(layer_products, max(2, reps), warmup=1))
+    total = sum(flops.values())
+    step_s = statistics.median(times)
+    floor_s = total / (matmul["gflops"] * 1e9)
+    return {
+        "prompt_len": prompt_len, "runs": len(times),
+        "prefill_ms": {"median": step_s * 1e3, "min": min(times) * 1e3},
+        "prefill_tps": prompt_len / step_s,
+        "flops": flops, "gflops_achieved": total / step_s / 1e9,
+        "floor_flops_ms": floor_s * 1e3,
+        "chain_layer_products_ms": chain_s * 1e3,
+        "attention_share_of_flops": flops["attention"] / total,
+        "ratios": {"prefill_over_floor_flops": step_s / floor_s,
+                   "layer_products_over_their_floor": chain_s / (flops["linear"] / (matmul["gflops"] * 1e9)),
+                   "prefill_over_layer_products": step_s / chain_s},
+    }
