@@ -163,9 +163,42 @@ static inline __attribute__((always_inline)) void block_rows(
     for (; n < n1; ++n) tile(x, k, w, fmt, scale, bias, y, ldy, n, R, 1);
 }
 
+/* A single row of x (batch-1 decode): each channel's weight row is read as one sequential
+ * stream, with four independent accumulator chains along K. Interleaving CMAX channels as
+ * `tile` does splits the thread's reads into CMAX streams, which held 16-bit weights to about
+ * half the machine's read rate; one stream reaches it. int8 rows are short in bytes, so the
+ * hardware prefetcher starts too late on each: the next rows are prefetched by hand. */
+#define I8_PREFETCH_BYTES 2048
+static inline __attribute__((always_inline)) void row1(
+    const float *x, int64_t k, const char *w, const int fmt, const float *scale, const float *bias,
+    float *y, int64_t n0, int64_t n1) {
+    const int64_t wrow = k * w_bytes(fmt);
+    const int64_t step = 4 * VL, kv = k - k % step;
+    for (int64_t n = n0; n < n1; ++n) {
+        const char *row = w + n * wrow;
+        vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+        for (int64_t i = 0; i < kv; i += step) {
+            if (fmt == FMT_I8) __builtin_prefetch(row + i + I8_PREFETCH_BYTES, 0, 0);
+            a0 = VFMA(VLOADX(x + i), vload_w(row, i, fmt), a0);
+            a1 = VFMA(VLOADX(x + i + VL), vload_w(row, i + VL, fmt), a1);
+            a2 = VFMA(VLOADX(x + i + 2 * VL), vload_w(row, i + 2 * VL, fmt), a2);
+            a3 = VFMA(VLOADX(x + i + 3 * VL), vload_w(row, i + 3 * VL, fmt), a3);
+        }
+        float s = VSUM(a0) + VSUM(a1) + VSUM(a2) + VSUM(a3);
+        for (int64_t i = kv; i < k; ++i) s += x[i] * w_scalar(row, i, fmt);
+        if (scale) s *= scale[n];
+        if (bias) s += bias[n];
+        y[n] = s;
+    }
+}
+
 static inline __attribute__((always_inline)) void block(
     const float *x, int64_t m, int64_t k, const char *w, const int fmt, const float *scale,
     const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    if (m == 1) {
+        row1(x, k, w, fmt, scale, bias, y, n0, n1);
+        return;
+    }
     /* Row groups share the channel block, which stays in cache between them. */
     int64_t r = 0;
     for (; r + RMAX <= m; r += RMAX) block_rows(x + r * k, k, w, fmt, scale, bias, y + r * ldy, ldy, n0, n1, RMAX);
