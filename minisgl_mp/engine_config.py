@@ -44,6 +44,7 @@ class EngineConfig:
     schedule_policy: str = field(default="lpm", metadata=_help("fcfs or lpm (longest prefix match, with aging)"))
     schedule_aging_steps: int = field(default=32, metadata=_help("lpm: a request waiting this many rounds goes first"))
     mixed_batch: bool = field(default=True, metadata=_help("run decodes in the same step as a prefill chunk"))
+    mixed_step_ratio: float | None = field(default=None, metadata=_help("while requests decode, size each step's prefill chunk so the step takes at most this many times a decode-only step (both measured as the engine runs), at least 32 tokens; keeps the inter-token latency of running requests bounded when prompts arrive. Default: 2 on CPU, off on CUDA (0: off); --max-prefill-tokens bounds every step either way"))
     max_prefill_streak: int = field(default=2, metadata=_help("without mixed batches: prefill steps in a row before decode runs"))
     attention_backend: str = field(default="auto", metadata=_help("auto (cpu on the CPU; flashinfer on CUDA when installed, else triton), cpu (the C paged kernel), sdpa (PyTorch), triton, flashinfer"))
     cuda_graph_max_bs: int | None = field(default=None, metadata=_help("on CUDA: largest decode batch run through a captured CUDA graph (default: 256, at most --max-running-requests)"))
@@ -78,6 +79,8 @@ class EngineConfig:
         check(self.context_length is None or self.context_length >= 2, "context_length must be >= 2")
         check(self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}")
         check(self.schedule_aging_steps >= 1, "schedule_aging_steps must be >= 1")
+        check(self.mixed_step_ratio is None or self.mixed_step_ratio == 0 or self.mixed_step_ratio > 1,
+              f"mixed_step_ratio must be 0 (off) or > 1, got {self.mixed_step_ratio}")
         check(self.max_prefill_streak >= 1, "max_prefill_streak must be >= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")

@@ -53,7 +53,11 @@ def decode_steps(llm: Any, batch: int, spec: dict[str, Any], rng: random.Random)
 
     engine = llm.llm_engine
     steps, warmup = int(spec["decode_steps"]), int(spec["warmup_steps"])
-    params = SamplingParams(max_tokens=warmup + steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
+    # Up to the context limit, and aborted once timed: vLLM prefills a large batch over several
+    # steps (chunked), so its requests start decoding steps apart; with a tight max_tokens the
+    # first would finish while the last are still being timed.
+    max_tokens = max(warmup + steps + 4, int(spec["max_model_len"]) - int(spec["decode_context"]) - 1)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     rids = [f"decode-{batch}-{i}" for i in range(batch)]
     internal = {}  # vLLM may suffix the ids it is given; outputs carry either, by version
     for rid in rids:
@@ -82,6 +86,7 @@ def decode_steps(llm: Any, batch: int, spec: dict[str, Any], rng: random.Random)
         times.append(time.perf_counter() - start)
         if sum(produced.values()) - before != batch:
             raise RuntimeError(f"a timed step did not decode {batch} tokens")
+    engine.abort_request(rids)  # our ids: vLLM maps them to its own
     while engine.has_unfinished_requests():
         engine.step()
     return times

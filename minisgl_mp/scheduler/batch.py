@@ -38,22 +38,33 @@ class ScheduledBatch:
         return [r for r, s in zip(self.reqs, self.sampled) if s]
 
 
-def build_batch(entries: list[tuple[Req, int, bool, torch.Tensor]], device: torch.device) -> ScheduledBatch:
-    """entries: (request, tokens to run, is_prefill, their KV slots) in batch order."""
-    reqs, lens, prefill, ids, pos, locs, sampled, logit_rows = [], [], [], [], [], [], [], []
+def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
+                prefills: list[tuple[Req, int, torch.Tensor]], device: torch.device) -> ScheduledBatch:
+    """decodes: requests running one token each, with the KV slot of each ([len(decodes)], one
+    tensor for the group, from `CacheManager.reserve_decodes`); prefills: (request, tokens to
+    run, their KV slots). The batch is the decodes, then the prefills, in the given orders."""
+    nd = len(decodes)
+    reqs = list(decodes)
+    lens = [1] * nd
+    prefill = [False] * nd
+    sampled = [True] * nd  # a decode always finishes its one-token extension
+    ids = [r.token_ids[r.cached_len] for r in decodes]
+    pos = [r.cached_len for r in decodes]
+    logit_rows = list(range(nd))
+    locs = [decode_locs] if nd else []
     spans, span_rows = [], []
-    offset = 0
-    for req, n, is_prefill, out_loc in entries:
+    offset = nd
+    for req, n, out_loc in prefills:
         start = req.cached_len
         reqs.append(req)
         lens.append(n)
-        prefill.append(is_prefill)
+        prefill.append(True)
         ids.extend(req.token_ids[start : start + n])
         pos.extend(range(start, start + n))
         locs.append(out_loc)
         done = start + n == req.seq_len
         sampled.append(done)
-        if is_prefill and req.wants_prompt_logprobs:
+        if req.wants_prompt_logprobs:
             first = max(start, req.prompt_logprob_pos)
             last = min(start + n, req.prompt_len - 1)
             if first < last:
@@ -62,13 +73,12 @@ def build_batch(entries: list[tuple[Req, int, bool, torch.Tensor]], device: torc
         offset += n
         if done:
             logit_rows.append(offset - 1)
-    mode = ForwardMode.EXTEND if any(prefill) else ForwardMode.DECODE
     layout = BatchLayout(
-        mode=mode,
+        mode=ForwardMode.EXTEND if prefills else ForwardMode.DECODE,
         req_slots=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
         cached_lens=tuple(r.cached_len for r in reqs),
         extend_lens=tuple(lens),
-        out_loc=torch.cat(locs),
+        out_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
     )
     return ScheduledBatch(
         reqs=reqs, extend_lens=lens, sampled=sampled, prefill=prefill, layout=layout,

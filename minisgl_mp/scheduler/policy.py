@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 import torch
 
 from minisgl_mp.kvcache.base import BasePrefixCache
@@ -13,14 +15,18 @@ from minisgl_mp.scheduler.req import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting(waiting: list[Req], policy: str, cache: BasePrefixCache, aging_steps: int) -> list[Req]:
-    """fcfs: arrival order (retracted requests were put back at the front).
-    lpm: requests that waited `aging_steps` rounds first, in arrival order, so a cache-cold
-    request is not starved by a stream of cache-hot ones; then longest cached prefix first."""
+def order_waiting(waiting: Sequence[Req], policy: str, cache: BasePrefixCache, aging_steps: int,
+                  now: int) -> Iterable[Req]:
+    """fcfs: arrival order (retracted requests were put back at the front), `waiting` itself:
+    admission stops at the first request that does not fit, so a long queue costs nothing
+    beyond the requests looked at.
+    lpm: requests that waited `aging_steps` rounds (`now` is the current round) first, in
+    arrival order, so a cache-cold request is not starved by a stream of cache-hot ones; then
+    longest cached prefix first."""
     if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
-        return list(waiting)
-    aged = [r for r in waiting if r.waited_rounds >= aging_steps]
-    fresh = [r for r in waiting if r.waited_rounds < aging_steps]
+        return waiting
+    aged = [r for r in waiting if now - r.wait_start_round >= aging_steps]
+    fresh = [r for r in waiting if now - r.wait_start_round < aging_steps]
 
     def hit(r: Req) -> int:
         ids = torch.tensor(r.token_ids[: r.prefix_match_limit], dtype=torch.int64)

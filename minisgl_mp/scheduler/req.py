@@ -56,7 +56,9 @@ class Req:
         self.alloc_len = 0
 
         self.prefix_hit_len: int | None = None  # cache hit at first admission (usage.cached_tokens)
-        self.waited_rounds = 0
+        # The scheduler's prefill round at which this request (re)joined the waiting queue:
+        # rounds waited = current round - this, with no per-round update of every waiter.
+        self.wait_start_round = 0
         self.num_retractions = 0
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | str | None = None

@@ -16,6 +16,7 @@ is raised out of `step()` as `FatalSchedulerError`.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.scheduler.batch import ScheduledBatch, build_batch
 from minisgl_mp.scheduler.cache_manager import CacheManager
 from minisgl_mp.scheduler.faults import FaultPlan
+from minisgl_mp.scheduler.prefill_budget import MixedPrefillBudget
 from minisgl_mp.scheduler.policy import InFlightPrefixes, order_waiting
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
 from minisgl_mp.scheduler.sampler import SampleResult, Sampler, record_prompt_logprobs
@@ -45,6 +47,13 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.15
 NEW_TOKEN_RATIO_DECAY = 0.002
 ESTIMATE_CAP_TOKENS = 4096
+# The first forwards pay one-time costs (kernels built and caches filled on first use): their
+# times would mislead the prefill budget.
+BUDGET_SKIP_FORWARDS = 2
+# On the CPU a prompt token costs a step about what a decoding request does, so a step with a
+# long prefill chunk stalls every decoding stream; on CUDA it mostly does not (and timing a step
+# there would need a sync).
+CPU_MIXED_STEP_RATIO = 2.0
 # A step-level failure repeated this many steps in a row means the engine itself is broken.
 MAX_REPEATED_FAILURES = 3
 
@@ -135,6 +144,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._prefill_streak = 0
+        ratio = config.mixed_step_ratio
+        if ratio is None:
+            ratio = CPU_MIXED_STEP_RATIO if self.device.type == "cpu" else 0.0
+        self.prefill_budget = MixedPrefillBudget(ratio, config.max_prefill_tokens)
+        self._prefill_rounds = 0  # calls of _schedule_prefill: the clock of Req.wait_start_round
         self._pending_outputs: list[ReqOutput] = []
         self.faults = faults or FaultPlan()
         self._forwards = 0  # model forwards so far (the fault plan's step numbers)
@@ -179,7 +193,7 @@ class Scheduler:
             req.stop_checker = self.make_stop_checker(req)
         self.reqs[rid] = req
         if key is None:
-            self.waiting.append(req)
+            self._enqueue(req)
         else:
             req.grammar_future = self.grammar.compile(key)
             if self.tp is not None:
@@ -187,6 +201,10 @@ class Scheduler:
                 # processes: under TP the compile is waited for here, before the next step.
                 wait([req.grammar_future])
             self.grammar_queue.append(req)
+
+    def _enqueue(self, req: Req) -> None:
+        req.wait_start_round = self._prefill_rounds
+        self.waiting.append(req)
 
     def check_grammar(self, params: SamplingParams) -> None:
         """Raise ValueError if `params`' grammar is invalid (or there is no grammar backend), and
@@ -208,7 +226,7 @@ class Scheduler:
             err = fut.exception()
             if err is None:
                 req.grammar = self.grammar.matcher(fut.result())
-                self.waiting.append(req)
+                self._enqueue(req)
                 continue
             req.finish_reason = FinishReason.ABORT
             del self.reqs[req.rid]
@@ -250,11 +268,13 @@ class Scheduler:
             if batch is not None:
                 self._forwards += 1
                 self.faults.before("forward", self._forwards)
+                t0 = time.perf_counter()
                 logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
                 num_sampled = len(batch.sampled_reqs)
                 if batch.prompt_logprob_spans:
                     record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled:])
                 result = self._sample(logits[:num_sampled], batch.sampled_reqs)
+                self._observe_step(batch, time.perf_counter() - t0)
                 self._process(batch, result)
                 self._failure_streak = ("", 0)
         except FatalSchedulerError:
@@ -347,6 +367,16 @@ class Scheduler:
                 self._fail(r, f"sampling failed: {type(e).__name__}: {e}")
         return SampleResult(token_ids, logprobs)
 
+    def _observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        if not self.prefill_budget.enabled or self._forwards <= BUDGET_SKIP_FORWARDS:
+            return
+        if self.tp is not None:
+            # Each rank times its own step, but all must choose the same budget (the same
+            # batch): rank 0's time is everyone's.
+            seconds = self.tp.broadcast_ints([int(seconds * 1e6)])[0] / 1e6
+        num_decodes = len(batch.reqs) - sum(batch.prefill)
+        self.prefill_budget.observe(seconds, num_decodes, batch.num_prefill_tokens)
+
     def _schedule(self) -> ScheduledBatch | None:
         decodes = [r for r in self.running if r.is_decoding]
         prefill_work = len(decodes) < len(self.running) or bool(self.waiting)
@@ -354,19 +384,23 @@ class Scheduler:
             self.config.mixed_batch or not decodes or self._prefill_streak < self.config.max_prefill_streak
         )
         run_decode = bool(decodes) and (self.config.mixed_batch or not run_prefill)
-        entries: list[tuple[Req, int, bool, torch.Tensor]] = []
+        decode_locs = None
+        decodes_waiting = decodes
         if run_decode:
-            entries += self._schedule_decode()
-        if run_prefill:
-            entries += self._schedule_prefill()
-        prefill_scheduled = any(is_prefill for _, _, is_prefill, _ in entries)
-        self._prefill_streak = self._prefill_streak + 1 if prefill_scheduled else 0
-        if not entries:
+            decodes, decode_locs = self._schedule_decode()
+        else:
+            decodes = []
+        # Decodes left out of this step (no mixed batches) wait on it all the same.
+        budget = self.prefill_budget.tokens(len(decodes) if run_decode else len(decodes_waiting))
+        prefills = self._schedule_prefill(budget) if run_prefill else []
+        self._prefill_streak = self._prefill_streak + 1 if prefills else 0
+        if not decodes and not prefills:
             return None
-        return build_batch(entries, self.device)
+        return build_batch(decodes, decode_locs, prefills, self.device)
 
-    def _schedule_decode(self) -> list[tuple[Req, int, bool, torch.Tensor]]:
-        # Retract until every decoding request can get the slot for its next token.
+    def _schedule_decode(self) -> tuple[list[Req], torch.Tensor | None]:
+        """The decoding requests and the KV slot of each one's next token: one allocation and
+        one page-table store for the whole group, after retracting until they all fit."""
         while True:
             decodes = [r for r in self.running if r.is_decoding]
             pages = sum(self.kv.pages_for(r, 1) for r in decodes)
@@ -374,14 +408,13 @@ class Scheduler:
                 break
             self._retract_one()
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        entries = []
+        if not decodes:
+            return [], None
         self._step_reqs.extend(decodes)
-        for r in decodes:
-            loc = self.kv.reserve(r, 1)
-            if loc is None:  # cannot happen after the check above
-                raise RuntimeError(f"no KV slot for {r!r} after retraction")
-            entries.append((r, 1, False, loc))
-        return entries
+        locs = self.kv.reserve_decodes(decodes)
+        if locs is None:  # cannot happen after the check above
+            raise RuntimeError(f"no KV slots for {len(decodes)} decoding requests after retraction")
+        return decodes, locs
 
     def _retract_one(self) -> None:
         # Fewest generated tokens first (least work lost), then the longest (most memory back).
@@ -391,7 +424,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.release(victim)
         victim.num_retractions += 1
-        victim.waited_rounds = self.config.schedule_aging_steps  # resumes first
+        victim.wait_start_round = self._prefill_rounds - self.config.schedule_aging_steps  # resumes first
         self.waiting.appendleft(victim)
         self.stats.retractions += 1
         self.new_token_ratio = min(1.0, max(self.new_token_ratio, INIT_NEW_TOKEN_RATIO) + 0.1)
@@ -404,8 +437,8 @@ class Scheduler:
         rest = max(0, req.seq_len - max(req.cached_len, req.alloc_len))
         return rest + int(min(req.remaining_tokens, ESTIMATE_CAP_TOKENS) * self.new_token_ratio)
 
-    def _schedule_prefill(self) -> list[tuple[Req, int, bool, torch.Tensor]]:
-        budget = self.config.max_prefill_tokens
+    def _schedule_prefill(self, budget: int) -> list[tuple[Req, int, torch.Tensor]]:
+        self._prefill_rounds += 1
         entries = []
         # Prompts already under way (chunked prefill, resumed requests) continue first.
         for r in [r for r in self.running if not r.is_decoding]:
@@ -419,12 +452,26 @@ class Scheduler:
                 # computed prefix stays in the cache, so resuming usually recomputes little.
                 self._retract(r)
                 continue
-            entries.append((r, n, True, loc))
+            entries.append((r, n, loc))
             budget -= n
+        if self.waiting and budget > 0:
+            entries += self._admit_waiting(budget)
+        return entries
+
+    def _admit_waiting(self, budget: int) -> list[tuple[Req, int, torch.Tensor]]:
+        """Start prefilling waiting requests in policy order while the budget, the running
+        limit, the page-table rows and the KV pool allow. When none of these can take even one
+        request, it returns before looking at the queue: a step costs the same with 10 or 10,000
+        requests waiting."""
+        if len(self.running) >= self.config.max_running_requests or not self.kv.table.num_free:
+            return []
         reserved = sum(self._future_tokens(r) for r in self.running)
-        admitted: list[Req] = []
-        ordered = order_waiting(list(self.waiting), self.config.schedule_policy, self.kv.cache,
-                                self.config.schedule_aging_steps)
+        if self.running and reserved >= self.kv.available_tokens:
+            return []  # every waiting request needs at least one token of KV
+        entries = []
+        admitted: set[int] = set()
+        ordered = order_waiting(self.waiting, self.config.schedule_policy, self.kv.cache,
+                                self.config.schedule_aging_steps, self._prefill_rounds)
         in_flight = InFlightPrefixes(self.kv.cache) if self.config.cache_type == "radix" else None
         if in_flight is not None:
             for r in self.running:
@@ -450,16 +497,21 @@ class Scheduler:
                 r.prefix_hit_len = r.cached_len
             self.stats.cached_prompt_tokens += r.cached_len
             self.running.append(r)
-            admitted.append(r)
+            admitted.add(id(r))
             if in_flight is not None:
                 in_flight.add(r)
-            entries.append((r, n, True, loc))
+            entries.append((r, n, loc))
             budget -= n
-        for r in admitted:
-            self.waiting.remove(r)
-        for r in self.waiting:
-            r.waited_rounds += 1
+        self._drop_admitted(admitted)
         return entries
+
+    def _drop_admitted(self, admitted: set[int]) -> None:
+        """Take the admitted requests out of the waiting queue: from its front (fcfs admits a
+        prefix of it), rebuilding it only when some were admitted from further back."""
+        while admitted and self.waiting and id(self.waiting[0]) in admitted:
+            admitted.discard(id(self.waiting.popleft()))
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
 
     def _process(self, batch: ScheduledBatch, result: SampleResult | None) -> None:
         self.stats.steps += 1

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,15 +37,26 @@ OVERLOADED_RETRY_AFTER_S = 1
 GRAMMAR_CHECK_TIMEOUT_S = 60.0
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """A request's on_output callback raised this; its task re-raises it."""
+
+    error: Exception
+
+
 @dataclass
 class _ReqState:
-    queue: asyncio.Queue[TextOut | ReqError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[TextOut | ReqError | _Failed] = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.perf_counter)
     last_output: float | None = None
     submitted: bool = False  # sent (or being sent) to the scheduler: leaving early must abort it
     abort_sent: bool = False  # by abort_all (shutdown)
     finished: bool = False
     probe: bool = False  # a health probe: not a user request, not in the metrics
+    # Takes each unfinished output as the detokenizer's batch is routed, instead of the queue:
+    # a streaming client is then served by the routing loop, one pass per step, rather than by
+    # waking its request's task once per step. What it raises ends the request (see generate).
+    on_output: Callable[[TextOut], None] | None = None
 
 
 class TokenizerManager:
@@ -82,8 +93,18 @@ class TokenizerManager:
 
     def _route(self, rid: str, msg: TextOut | ReqError) -> None:
         state = self.states.get(rid)
-        if state is not None:  # else: the client went away and the request was aborted
-            state.queue.put_nowait(msg)
+        if state is None:  # the client went away and the request was aborted
+            return
+        if state.on_output is not None and isinstance(msg, TextOut) and not msg.finished:
+            try:
+                if not state.probe:
+                    self._observe(state, msg)
+                state.on_output(msg)
+            except Exception as e:  # noqa: BLE001 - raised in the request's own task, which aborts it
+                state.on_output = None
+                state.queue.put_nowait(_Failed(e))
+            return
+        state.queue.put_nowait(msg)
 
     # ---- tokenization ----------------------------------------------------------------------------
     async def prompt_ids(self, req: GenerateRequest) -> list[int]:
@@ -148,14 +169,17 @@ class TokenizerManager:
                 retry_after=OVERLOADED_RETRY_AFTER_S)
 
     async def generate(self, req: GenerateRequest, ids: list[int] | None = None,
-                       rid: str | None = None, probe: bool = False) -> AsyncIterator[TextOut]:
+                       rid: str | None = None, probe: bool = False,
+                       on_output: Callable[[TextOut], None] | None = None) -> AsyncIterator[TextOut]:
         """Outputs of one request, the last with finished=True. Raises RequestError. `probe`:
-        a health check's request, kept out of the metrics."""
+        a health check's request, kept out of the metrics. `on_output`: called with every
+        output but the last as it arrives, instead of yielding it (only the last is yielded);
+        an exception it raises ends the request, raised from here."""
         rid = rid or req.rid or self.new_rid()
         if rid in self.states:
             raise RequestError(f"request id {rid!r} is already in use", param="rid")
         self.admit_check()
-        state = _ReqState(probe=probe)
+        state = _ReqState(probe=probe, on_output=on_output)
         # NOTE: the id is taken before the first await, so that of two requests with one id
         # arriving together, the second is refused here rather than reaching the scheduler.
         self.states[rid] = state
@@ -166,6 +190,8 @@ class TokenizerManager:
             await self.replicas.submit(GenerateReq(rid, ids, req.params.to_dict()))
             while True:
                 msg = await state.queue.get()
+                if isinstance(msg, _Failed):
+                    raise msg.error
                 if isinstance(msg, ReqError):
                     state.finished = True
                     if self.metrics and not probe:

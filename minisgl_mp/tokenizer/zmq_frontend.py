@@ -120,10 +120,15 @@ class ZmqFrontend:
         text_parts: list[str] = []
         ids: list[int] = []
         logprobs: list[Any] = []
+        def stream(out: TextOut) -> None:
+            self._send(envelope, output_reply(rid, out, out.text, out.new_ids, out.logprobs))
+
         try:
-            async for out in self.manager.generate(req, rid=rid):
+            # A stream's updates are sent as the manager routes each step's batch (on_output),
+            # not by this task: it wakes once, for the last.
+            async for out in self.manager.generate(req, rid=rid, on_output=stream if req.stream else None):
                 if req.stream:
-                    self._send(envelope, output_reply(rid, out, out.text, out.new_ids, out.logprobs))
+                    stream(out)
                     continue
                 text_parts.append(out.text)
                 ids.extend(out.new_ids)
