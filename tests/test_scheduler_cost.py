@@ -100,7 +100,7 @@ def _steps_with_prefill(llm: LLM) -> list[tuple[int, int]]:
 def test_a_prompt_arriving_during_decodes_is_prefilled_within_the_budget(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), **CPU, num_pages=2048, max_running_requests=8)
     s = llm.scheduler
-    s.prefill_budget.tokens = lambda num_decodes: 40 if num_decodes else 8192  # type: ignore[method-assign]
+    s.prefill_budget.tokens = lambda num_decodes, backlog=0: 40 if num_decodes else 8192  # type: ignore[method-assign]
     seen = _steps_with_prefill(llm)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i in range(4):
@@ -187,3 +187,16 @@ def test_what_any_prefill_costs_a_step_is_not_charged_to_its_tokens() -> None:
         b.observe(0.010 + 0.003 + tokens * 0.00003125, 16, tokens)  # + 3 ms + 1/32 ms a token
     assert b.token_s == pytest.approx(0.00003125)
     assert b.tokens(16) in (543, 544)  # (3 - 1) x 10 ms - 3 ms = 17 ms of tokens
+
+
+def test_a_backlog_of_prompts_is_let_in_within_a_few_steps() -> None:
+    """When prompts arrive faster than the time bound admits them, the bound gives way: the
+    queue is cleared in about BACKLOG_STEPS steps rather than growing without limit."""
+    from minisgl_mp.scheduler.prefill_budget import BACKLOG_STEPS
+
+    b = MixedPrefillBudget(2.0, max_tokens=8192)
+    b.observe(0.05, 0, 100)  # 0.5 ms a token
+    b.observe(0.02, 8, 0)  # 20 ms decode step: 40 tokens
+    assert b.tokens(8, backlog=200) == 40
+    assert b.tokens(8, backlog=4000) == 4000 // BACKLOG_STEPS
+    assert b.tokens(8, backlog=10 ** 6) == 8192

@@ -27,6 +27,11 @@ from collections import deque
 
 # Prompt tokens a step may always prefill beside decodes, whatever the measured costs.
 MIN_MIXED_PREFILL_TOKENS = 32
+# The prompt tokens waiting (or part-prefilled) are let in within about this many steps, even
+# past the time bound: when prompts arrive faster than the bound admits them, the queue would
+# grow without limit (and each one's time to first token with it) while the decode batch,
+# starved of new requests, shrinks.
+BACKLOG_STEPS = 8
 # Steps each line is fitted to (the most recent ones of their kind).
 SAMPLES = 64
 
@@ -58,16 +63,17 @@ class MixedPrefillBudget:
         a, b = self._line
         return max(a + b * num_decodes, 0.0) or None
 
-    def tokens(self, num_decodes: int) -> int:
-        """The prefill budget of a step that runs `num_decodes` decodes."""
+    def tokens(self, num_decodes: int, backlog: int = 0) -> int:
+        """The prefill budget of a step that runs `num_decodes` decodes, with `backlog` prompt
+        tokens waiting to be prefilled."""
         if not num_decodes or self.ratio is None or not self.token_s:
             return self.max_tokens
         step = self.decode_step_s(num_decodes)
         if step is None:
             return self.max_tokens
         fixed, token_s = self._prefill_line
-        allowed = (self.ratio - 1.0) * step - fixed
-        return max(self.min_tokens, min(self.max_tokens, int(allowed / token_s)))
+        allowed = int(((self.ratio - 1.0) * step - fixed) / token_s)
+        return max(self.min_tokens, min(self.max_tokens, max(allowed, -(-backlog // BACKLOG_STEPS))))
 
     def observe(self, seconds: float, num_decodes: int, prefill_tokens: int) -> None:
         """One step's time, with how many decodes and prefill tokens it ran."""

@@ -15,6 +15,7 @@ is raised out of `step()` as `FatalSchedulerError`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -54,6 +55,8 @@ BUDGET_SKIP_FORWARDS = 2
 # long prefill chunk stalls every decoding stream; on CUDA it mostly does not (and timing a step
 # there would need a sync).
 CPU_MIXED_STEP_RATIO = 2.0
+# Waiting requests whose prompts count towards the prefill backlog (see MixedPrefillBudget).
+BACKLOG_PEEK = 16
 # A step-level failure repeated this many steps in a row means the engine itself is broken.
 MAX_REPEATED_FAILURES = 3
 
@@ -391,12 +394,19 @@ class Scheduler:
         else:
             decodes = []
         # Decodes left out of this step (no mixed batches) wait on it all the same.
-        budget = self.prefill_budget.tokens(len(decodes) if run_decode else len(decodes_waiting))
+        budget = self.prefill_budget.tokens(len(decodes) if run_decode else len(decodes_waiting),
+                                            self._prefill_backlog() if self.prefill_budget.enabled else 0)
         prefills = self._schedule_prefill(budget) if run_prefill else []
         self._prefill_streak = self._prefill_streak + 1 if prefills else 0
         if not decodes and not prefills:
             return None
         return build_batch(decodes, decode_locs, prefills, self.device)
+
+    def _prefill_backlog(self) -> int:
+        """Prompt tokens still to prefill: of the running requests, and of the first
+        BACKLOG_PEEK waiting ones (a bound on the cost; a longer queue is a backlog anyway)."""
+        running = sum(r.extend_len for r in self.running if not r.is_decoding)
+        return running + sum(r.extend_len for r in itertools.islice(self.waiting, BACKLOG_PEEK))
 
     def _schedule_decode(self) -> tuple[list[Req], torch.Tensor | None]:
         """The decoding requests and the KV slot of each one's next token: one allocation and
