@@ -6,8 +6,8 @@ memory's read rate measured in the same run.
 
 1. Products on the Qwen3-0.6B shapes (`--chain-layers` layers' qkv, o, gate_up and down, then
    the LM head: distinct tensors, far larger than the caches), per stored format and batch size:
-   the C kernel, oneDNN prepacked and `F.linear` (float32), the widened-tile path (16-bit and
-   int8), and what `Linear` picks. Weight GB/s = weight bytes / time; the kernel's crossover is
+   the C kernel, the register-tiled kernel over packed panels, oneDNN prepacked and `F.linear`
+   (float32), the widened-tile path (16-bit and int8), and what `Linear` picks. Weight GB/s = weight bytes / time; the kernel's crossover is
    the largest batch where it beats every other path.
 2. The engine's batch-1 decode step per format (random weights, `--context` tokens cached)
    against its bandwidth floor: the bytes of every Linear weight over the read rate measured
@@ -89,6 +89,8 @@ def product_paths(lins: list[Linear], x: dict[int, torch.Tensor]) -> dict[str, C
         paths["f_linear"] = lambda: [F.linear(x[m.in_features], m.weight) for m in lins]
         paths["onednn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x[m.in_features], m.packed_weight, None,
                                                                       "none", [], "") for m in lins]
+        if all(m.panels is not None for m in lins):
+            paths["panels"] = lambda: [m.panels.matmul(x[m.in_features]) for m in lins]
     return paths
 
 
@@ -117,10 +119,11 @@ def measure_products(cfg: ModelConfig, args: argparse.Namespace, read_gbps: floa
         for batch in args.batch_sizes:
             x = {k: torch.randn(batch, k) for k in {m.in_features for m in lins}}
             ms = interleaved_ms(product_paths(lins, x), args.reps)
-            others = [v for k, v in ms.items() if k not in ("kernel", "linear")]
+            others = [v for k, v in ms.items() if k not in ("kernel", "linear", "panels")]
             row = {"format": name, "batch": batch, "weight_bytes": nbytes, "ms": ms,
                    "weight_gbps": {k: nbytes / v / 1e6 for k, v in ms.items()},
                    "kernel_over_best_other": ms["kernel"] / min(others),
+                   "panels_over_best_other": ms["panels"] / min(others) if "panels" in ms else None,
                    "kernel_gbps_over_read": nbytes / ms["kernel"] / 1e6 / read_gbps}
             rows.append(row)
             print(f"{name:>8} B={batch:<3} " + " ".join(f"{k} {v:7.1f} ms ({row['weight_gbps'][k]:5.1f} GB/s)"

@@ -1,7 +1,8 @@
 """The C kernels for the CPU (csrc/*.c), built on first use, and their Python entry points:
 paged attention (csrc/paged_attention.c), the fused norm / rotary steps of a decoder layer
-(csrc/fused_ops.c) and the small-batch product with float32, 16-bit or int8 weights
-(csrc/weight_gemm.c).
+(csrc/fused_ops.c), the small-batch product with float32, 16-bit or int8 weights
+(csrc/weight_gemm.c) and the register-tiled float32 product over packed weights for batches of
+a few dozen rows (csrc/packed_gemm.c).
 
 The sources are compiled together with the system C compiler (a second or two) into one
 library in a per-user cache and loaded with ctypes: no torch headers, no pybind. OpenMP is
@@ -113,6 +114,13 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.weight_gemm.argtypes = [vp, i64, i64, vp, ctypes.c_int, vp, vp, vp, i64, i64]
     lib.weight_gemm_isa.restype = ctypes.c_int
     lib.weight_gemm_isa.argtypes = []
+    lib.packed_gemm_pack.restype = None
+    lib.packed_gemm_pack.argtypes = [vp, i64, i64, vp]
+    lib.packed_gemm_f32.restype = None
+    lib.packed_gemm_f32.argtypes = [vp, i64, i64, i64, vp, i64, vp, vp, i64]
+    for fn in (lib.packed_gemm_unit, lib.packed_gemm_rows):
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
     _LIBS[isa] = lib
     return lib
 
@@ -228,6 +236,48 @@ def weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
                     None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
                     y.data_ptr(), n, n)
     return y
+
+
+class PackedWeight:
+    """A float32 weight [N, K] packed into the column panels of csrc/packed_gemm.c, for the
+    library of one ISA (the layout follows its vector width)."""
+
+    PANEL = 16
+
+    def __init__(self, weight: torch.Tensor, isa: str | None = None) -> None:
+        self.isa = isa or default_isa()
+        lib = load(self.isa)
+        if lib is None:
+            raise RuntimeError("the CPU product kernel is not available")
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"weight must be a 2-D float32 CPU tensor, got {weight.dtype} {tuple(weight.shape)}")
+        weight = weight.contiguous()
+        self.out_features, self.in_features = weight.shape
+        padded = -(-self.out_features // self.PANEL) * self.PANEL
+        self.panels = torch.empty(padded * self.in_features, dtype=torch.float32)
+        lib.packed_gemm_pack(weight.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr())
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32, plus `bias` [N]
+        float32."""
+        lib = load(self.isa)
+        n, k = self.out_features, self.in_features
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if x.stride(1) != 1 or x.stride(0) < k:
+            x = x.contiguous()
+        if bias is not None and (bias.shape != (n,) or not _fused_ok(bias)):
+            raise ValueError(f"bias must be contiguous float32 [{n}]")
+        y = x.new_empty((x.shape[0], n))
+        lib.packed_gemm_f32(x.data_ptr(), x.shape[0], k, x.stride(0), self.panels.data_ptr(), n,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+        return y
+
+
+def packed_gemm_tile(isa: str | None = None) -> tuple[int, int] | None:
+    """(channels per unit, rows per tile) of the packed product in this build (None: no kernels)."""
+    lib = load(isa)
+    return None if lib is None else (int(lib.packed_gemm_unit()), int(lib.packed_gemm_rows()))
 
 
 def kernel_isa(isa: str | None = None) -> int | None:

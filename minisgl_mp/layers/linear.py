@@ -14,12 +14,16 @@ class Linear(nn.Module):
     (float16 / bfloat16, or int8 with a float32 scale per output channel, `weight_scale`), while
     x and y keep the model's dtype: the product widens the weight on the fly.
 
-    On the CPU, three paths, chosen by the number of rows (see docs/benchmarks.md):
+    On the CPU, four paths, chosen by the number of rows (see docs/benchmarks.md):
     - `enable_cpu_gemm()`: the C kernel (kernels/csrc/weight_gemm.c) reads each weight once for
       up to a few rows, at the memory's rate, in any stored format. It runs every product of a
       stored format below DENSE_MIN_ROWS, and float32 products of at most KERNEL_MAX_ROWS rows.
-    - `prepack()` (float32 weights): oneDNN's blocked layout, for the larger float32 batches,
-      where the products are bound by arithmetic rather than by the weight bytes.
+      For float32 weights it also packs a copy into the column panels of the register-tiled
+      kernel (kernels/csrc/packed_gemm.c), which then runs the float32 products of 2 to
+      PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate), leaving
+      weight_gemm.c the single row, whose product is one stream of the weight bytes.
+    - `prepack()` (float32 weights): oneDNN's blocked layout, for the larger float32 batches
+      (prefill), where the products are bound by arithmetic rather than by the weight bytes.
     - `F.linear`, after widening the stored weight to the activations' dtype a tile at a time:
       the fallback everywhere else (other devices, no C compiler), and for large batches of
       stored formats, which then run at the float32 matrix rate.
@@ -28,6 +32,7 @@ class Linear(nn.Module):
 
     PACKED_MIN_ROWS = 4
     KERNEL_MAX_ROWS = 8
+    PANELS_MAX_ROWS = 256
     DENSE_MIN_ROWS = 256
     WIDEN_TILE = 4096  # output channels widened at once on the fallback path
 
@@ -41,6 +46,7 @@ class Linear(nn.Module):
         )
         self.weight_scale: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
+        self.panels: cpu_kernels.PackedWeight | None = None
         self.cpu_gemm = False
 
     def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -53,6 +59,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.weight_scale = None if scale is None else scale.float().contiguous()
         self.packed_weight = None
+        self.panels = None
+        self.cpu_gemm = False
 
     def prepack(self) -> bool:
         """Pack the weight for oneDNN; returns whether this build and dtype allow it."""
@@ -63,15 +71,21 @@ class Linear(nn.Module):
         return True
 
     def enable_cpu_gemm(self) -> bool:
-        """Use the C product kernel; returns whether the weight's device and dtype allow it."""
+        """Use the C product kernels (and pack a float32 weight's panels); returns whether the
+        weight's device and dtype allow it."""
         self.cpu_gemm = (self.weight.device.type == "cpu" and self.weight.dtype in cpu_kernels.WEIGHT_FORMATS
                          and (self.bias is None or self.bias.dtype == torch.float32)
                          and cpu_kernels.load() is not None)
+        self.panels = (cpu_kernels.PackedWeight(self.weight.data)
+                       if self.cpu_gemm and self.weight.dtype == torch.float32 else None)
         return self.cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.numel() // self.in_features
+        if self.panels is not None and x.dtype == torch.float32 and 1 < rows <= self.PANELS_MAX_ROWS:
+            y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
+            return y.view(*shape[:-1], self.out_features)
         stored = self.weight.dtype != x.dtype
         if self.cpu_gemm and x.dtype == torch.float32 and rows < (self.DENSE_MIN_ROWS if stored else self.KERNEL_MAX_ROWS + 1):
             y = cpu_kernels.weight_gemm(x.reshape(rows, shape[-1]).contiguous(), self.weight, self.weight_scale, self.bias)

@@ -1,0 +1,217 @@
+/*
+ * y[M, N] = x[M, K] W[N, K]^T (+ bias[N]), float32, for batches of a few to a few dozen rows,
+ * with W packed once at load time into column panels.
+ *
+ * Why a second float32 kernel: weight_gemm.c reduces along K (a dot product per output), which
+ * is right while the weight bytes bound the product (one to eight rows) but leaves it short of
+ * the FMA rate past that, and oneDNN's prepacked path is no better at 16-64 rows on these CPUs
+ * (docs/benchmarks.md). This is the register-tiled outer-product form of BLAS kernels: MR rows
+ * of x times a unit of UW output channels are held in vector accumulators for the whole of K;
+ * each step along K loads the unit's UW weights (contiguous, thanks to the packing) and
+ * broadcasts one x value per row. A unit's block of K stays in L2 while the row groups of x
+ * pass over it, so W is read from memory once per call.
+ *
+ * Packed layout (packed_gemm_pack): output channels in units of UW (the last one may be
+ * narrower, in steps of 16, zero-padded past N); unit u holds K rows of its width,
+ * consecutive: element (n, k) of unit u = panel[u * UW * K + k * width_u + (n - u * UW)]. The
+ * buffer holds ceil(N / 16) * 16 * K floats whatever the ISA. UW and MR follow the build's
+ * ISA (see packed_gemm_unit), so a buffer is only valid for the library that packed it.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16 /* channel padding granule, and the widest vector */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+#define NV 3 /* vectors per unit: 8 rows x 3 vectors = 24 of the 32 zmm registers */
+#define MR 8
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(p) _mm512_set1_ps(*(p))
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline void vstore_n(float *p, vf v, int n) {
+    if (n >= VL) _mm512_storeu_ps(p, v);
+    else _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
+}
+static inline vf vload_n(const float *p, int n) {
+    return n >= VL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+#define NV 2 /* 6 rows x 2 vectors = 12 of the 16 ymm registers */
+#define MR 6
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(p) _mm256_broadcast_ss(p)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline void vstore_n(float *p, vf v, int n) {
+    if (n >= VL) {
+        _mm256_storeu_ps(p, v);
+    } else {
+        float t[VL];
+        _mm256_storeu_ps(t, v);
+        memcpy(p, t, (size_t)n * sizeof(float));
+    }
+}
+static inline vf vload_n(const float *p, int n) {
+    if (n >= VL) return _mm256_loadu_ps(p);
+    float t[VL] = {0};
+    memcpy(t, p, (size_t)n * sizeof(float));
+    return _mm256_loadu_ps(t);
+}
+#else
+#define VL 1
+#define NV 16
+#define MR 4
+typedef float vf;
+#define VZERO() 0.0f
+#define VSET1(p) (*(p))
+#define VLOAD(p) (*(p))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+static inline void vstore_n(float *p, vf v, int n) { if (n > 0) *p = v; }
+static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
+#endif
+
+#define UW (VL * NV) /* channels per unit: 48 (AVX-512), 16 (AVX2 and plain C) */
+/* Steps of K per block. A block of a unit (48 x 2048 floats, 384 KiB) stays in L2 while the
+ * row groups pass over it; blocking any finer measured slower, since each block costs a round
+ * of accumulator loads and stores. Models of the 0.6B-4B shapes have K <= 2048 except in the
+ * down projection, so most products are one block. */
+#ifndef KC
+#define KC 2048
+#endif
+/* Steps of K to prefetch the weights ahead: the first row group reads them from memory. */
+#ifndef PF
+#define PF 16
+#endif
+
+
+/* R rows of y by the V vectors of one unit (ncols of them real), over k steps of K: the
+ * accumulators start from zero on the first block of K and from y after it, and the bias is
+ * added on the last. R and V are literals at every call site, so each instantiation keeps its
+ * accumulators in registers. */
+static inline __attribute__((always_inline)) void micro(
+    const float *x, int64_t ldx, int64_t k, const float *panel, int64_t width, const float *bias,
+    float *y, int64_t ldy, int ncols, int first, int last, const int R, const int V) {
+    vf acc[MR][NV];
+    for (int v = 0; v < V; ++v) {
+        const int n = ncols - v * VL;
+        for (int r = 0; r < R; ++r) acc[r][v] = first || n <= 0 ? VZERO() : vload_n(y + r * ldy + v * VL, n);
+    }
+    for (int64_t i = 0; i < k; ++i) {
+        const float *b = panel + i * width;
+        for (int v = 0; v < V; ++v) __builtin_prefetch(b + PF * width + v * VL, 0, 3);
+        vf w[NV];
+        for (int v = 0; v < V; ++v) w[v] = VLOAD(b + v * VL);
+        for (int r = 0; r < R; ++r) {
+            const vf a = VSET1(x + r * ldx + i);
+            for (int v = 0; v < V; ++v) acc[r][v] = VFMA(a, w[v], acc[r][v]);
+        }
+    }
+    for (int v = 0; v < V; ++v) {
+        const int n = ncols - v * VL;
+        if (n <= 0) break; /* a vector of padding only (AVX2's second half of a unit) */
+        const vf bv = bias && last ? vload_n(bias + v * VL, n) : VZERO();
+        for (int r = 0; r < R; ++r) vstore_n(y + r * ldy + v * VL, acc[r][v] + bv, n);
+    }
+}
+
+typedef void (*micro_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, float *,
+                         int64_t, int, int, int);
+
+#define MICRO(R, V)                                                                                  \
+    static void micro_##R##_##V(const float *x, int64_t ldx, int64_t k, const float *panel,          \
+                                int64_t width, const float *bias, float *y, int64_t ldy, int ncols,   \
+                                int first, int last) {                                               \
+        micro(x, ldx, k, panel, width, bias, y, ldy, ncols, first, last, R, V);                      \
+    }
+
+/* Every (rows, vectors) pair the ISA can meet: rows 1..MR, vectors 1..NV (a narrow last unit). */
+#if defined(__AVX512F__)
+#define ROWS_V(V) MICRO(1, V) MICRO(2, V) MICRO(3, V) MICRO(4, V) MICRO(5, V) MICRO(6, V) MICRO(7, V) MICRO(8, V)
+ROWS_V(1) ROWS_V(2) ROWS_V(3)
+#define ROW_FNS(V) {micro_1_##V, micro_2_##V, micro_3_##V, micro_4_##V, micro_5_##V, micro_6_##V, micro_7_##V, micro_8_##V}
+static const micro_fn MICROS[NV][MR] = {ROW_FNS(1), ROW_FNS(2), ROW_FNS(3)};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ROWS_V(V) MICRO(1, V) MICRO(2, V) MICRO(3, V) MICRO(4, V) MICRO(5, V) MICRO(6, V)
+ROWS_V(1) ROWS_V(2)
+#define ROW_FNS(V) {micro_1_##V, micro_2_##V, micro_3_##V, micro_4_##V, micro_5_##V, micro_6_##V}
+static const micro_fn MICROS[NV][MR] = {ROW_FNS(1), ROW_FNS(2)};
+#else
+/* Plain C: one unit of 16 channels, looped rather than unrolled per width. */
+static void micro_scalar(const float *x, int64_t ldx, int64_t k, const float *panel, int64_t width,
+                         const float *bias, float *y, int64_t ldy, int ncols, int first, int last, int R) {
+    float acc[MR][NV];
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = first || v >= ncols ? 0.0f : y[r * ldy + v];
+    for (int64_t i = 0; i < k; ++i)
+        for (int r = 0; r < R; ++r) {
+            const float a = x[r * ldx + i];
+            for (int v = 0; v < NV; ++v) acc[r][v] += a * panel[i * width + v];
+        }
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < ncols; ++v) y[r * ldy + v] = acc[r][v] + (bias && last ? bias[v] : 0.0f);
+}
+#endif
+
+static inline int64_t unit_width(int64_t n, int64_t u) {
+    const int64_t padded = (n + PANEL - 1) / PANEL * PANEL, rest = padded - u * UW;
+    return rest < UW ? rest : UW;
+}
+
+/* W [N, K] row-major -> the packed layout above (ceil(N / 16) * 16 * K floats at `out`). */
+void packed_gemm_pack(const float *w, int64_t n, int64_t k, float *out) {
+    const int64_t units = (n + UW - 1) / UW;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t width = unit_width(n, u), n0 = u * UW;
+        float *dst = out + n0 * k;
+        for (int64_t c = 0; c < width; ++c) {
+            const int64_t ch = n0 + c;
+            if (ch < n) {
+                const float *src = w + ch * k;
+                for (int64_t i = 0; i < k; ++i) dst[i * width + c] = src[i];
+            } else {
+                for (int64_t i = 0; i < k; ++i) dst[i * width + c] = 0.0f;
+            }
+        }
+    }
+}
+
+/* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. Threads split the units (static
+ * schedule: each streams one contiguous run of the packed weight). Blocking the rows as well
+ * (x in L2 beside a unit) measured no faster up to 2,048 rows, so the rows are not blocked. */
+void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
+                     const float *bias, float *y, int64_t ldy) {
+    const int64_t units = (n + UW - 1) / UW;
+#pragma omp parallel for schedule(static) if (m * n * k >= 65536)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n0 = u * UW, width = unit_width(n, u);
+        const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
+        const float *panel = panels + n0 * k;
+        const float *bu = bias ? bias + n0 : NULL;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            const int first = k0 == 0, last = k0 + kc == k;
+            for (int64_t r = 0; r < m; r += MR) {
+                const int rows = (int)(m - r < MR ? m - r : MR);
+                const float *xb = x + r * ldx + k0, *pb = panel + k0 * width;
+                float *yb = y + r * ldy + n0;
+#if VL == 1
+                micro_scalar(xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last, rows);
+#else
+                MICROS[width / VL - 1][rows - 1](xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last);
+#endif
+            }
+        }
+    }
+}
+
+/* The unit width this build packs for (48, 16 or 16) and its row tile, for tests and logs. */
+int packed_gemm_unit(void) { return UW; }
+int packed_gemm_rows(void) { return MR; }

@@ -1,0 +1,134 @@
+"""The register-tiled float32 product over packed weight panels (kernels/csrc/packed_gemm.c).
+
+Against float64 products for every vector path this machine can build (AVX-512 where the CPU
+has it, AVX2 and plain C everywhere: MINISGL_MP_CPU_ISA), on shapes that leave partial row
+tiles, partial units and partial vectors; `Linear` picking it for 2 to PANELS_MAX_ROWS rows
+and agreeing with its other paths; and the engine, whose decode batches run through it,
+against transformers, teacher-forced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_reference import check_teacher_forced, load_hf_model
+from minisgl_mp import LLM, SamplingParams
+from minisgl_mp.kernels import cpu as cpu_kernels
+from minisgl_mp.layers.linear import Linear
+
+# (rows, in, out): rows around the row tiles (4, 6, 8) and past several of them; K of one
+# step, a few and with no vector tail to speak of; N around 16 (a vector), 48 (a unit) and a
+# vector with a single real channel in it.
+SHAPES = ((2, 1, 1), (3, 3, 15), (5, 100, 16), (6, 64, 17), (7, 33, 33), (8, 256, 47), (9, 17, 48),
+          (13, 1027, 49), (16, 128, 97), (25, 64, 130), (64, 96, 113), (70, 40, 200))
+TILES = {"native": (48, 8), "avx2": (16, 6), "scalar": (16, 4)}
+
+
+def _isas() -> list[str]:
+    isas = ["avx2", "scalar"]
+    if cpu_kernels.kernel_isa("native") == 512:
+        isas.insert(0, "native")
+    return isas
+
+
+@pytest.fixture(scope="module", params=_isas())
+def isa(request: pytest.FixtureRequest) -> str:
+    if cpu_kernels.load(request.param) is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    return request.param
+
+
+def test_packed_product_matches_float64(isa: str) -> None:
+    assert cpu_kernels.packed_gemm_tile(isa) == TILES[isa]
+    gen = torch.Generator().manual_seed(0)
+    for rows, k, n in SHAPES:
+        x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        packed = cpu_kernels.PackedWeight(w, isa=isa)
+        assert packed.panels.numel() == -(-n // 16) * 16 * k
+        for b in (None, bias):
+            y = packed.matmul(x, b)
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            # float32 sums of k products of magnitude ~1: rounding grows like sqrt(k) * 2^-24.
+            torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5, msg=f"{isa} {rows}x{k} -> {n}")
+
+
+def test_packed_product_takes_strided_rows_and_writes_only_its_output(isa: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(37, 50, generator=gen)
+    packed = cpu_kernels.PackedWeight(w, isa=isa)
+    wide = torch.randn(11, 80, generator=gen)
+    x = wide[:, 10:60]  # rows 80 apart
+    torch.testing.assert_close(packed.matmul(x).double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+    xt = torch.randn(50, 11, generator=gen).T  # columns not contiguous: copied first
+    torch.testing.assert_close(packed.matmul(xt).double(), xt.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+    # The weight packed is a copy: later changes to the source do not leak in.
+    before = packed.matmul(x)
+    w.zero_()
+    assert torch.equal(packed.matmul(x), before)
+
+
+def test_packed_product_rejects_what_it_cannot_take() -> None:
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    packed = cpu_kernels.PackedWeight(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="x must be"):
+        packed.matmul(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="x must be"):
+        packed.matmul(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bias must be"):
+        packed.matmul(torch.randn(2, 16), torch.randn(7))
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_kernels.PackedWeight(torch.randn(8, 16).half())
+
+
+def test_linear_runs_decode_batches_through_the_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 to PANELS_MAX_ROWS rows go through the panels, one row and longer batches do not, and
+    every path gives F.linear's answer, with the bias, on 2-D and 3-D inputs."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(2)
+    lin = Linear(72, 50, bias=True)
+    lin.weight.data.copy_(torch.randn(50, 72, generator=gen))
+    lin.bias.data.copy_(torch.randn(50, generator=gen))
+    lin.prepack()
+    assert lin.enable_cpu_gemm() and lin.panels is not None
+    calls = []
+    matmul = cpu_kernels.PackedWeight.matmul
+    monkeypatch.setattr(cpu_kernels.PackedWeight, "matmul", lambda self, x, b=None: calls.append(len(x)) or matmul(self, x, b))
+    for rows in (1, 2, 9, 64, Linear.PANELS_MAX_ROWS, Linear.PANELS_MAX_ROWS + 1):
+        calls.clear()
+        x = torch.randn(rows, 72, generator=gen)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+        assert lin(x.view(1, rows, 72)).shape == (1, rows, 50)
+        assert calls == ([rows, rows] if 1 < rows <= Linear.PANELS_MAX_ROWS else []), rows
+    # A new weight drops the panels of the old one.
+    lin.store_weight(torch.randn(50, 72, generator=gen))
+    assert lin.panels is None and not lin.cpu_gemm
+
+
+@pytest.mark.timeout(240)
+def test_engine_decode_batches_use_the_panels_and_follow_transformers(tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six requests decode together (six rows per product, through the panels), every greedy
+    token a best choice of transformers' float32 model."""
+    llm = LLM(str(tiny_model_dir), device="cpu", num_pages=1024, max_running_requests=8)
+    model = llm.scheduler.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    assert all(m.panels is not None for m in linears)
+    rows = []
+    matmul = cpu_kernels.PackedWeight.matmul
+    monkeypatch.setattr(cpu_kernels.PackedWeight, "matmul", lambda self, x, b=None: rows.append(len(x)) or matmul(self, x, b))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(model.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 9, 17, 30, 41, 64)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert 6 in rows  # the decode steps with all six running
+    hf = load_hf_model(tiny_model_dir)
+    for prompt, out in zip(prompts, outs):
+        assert len(out["token_ids"]) == 10
+        check_teacher_forced(hf, prompt, out["token_ids"])
