@@ -123,6 +123,8 @@ def test_weight_formats_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
     int8, f32 = report["products"][2], report["products"][0]
     assert 3.9 < f32["weight_bytes"] / int8["weight_bytes"] < 4  # a quarter, plus the scales
     assert all(v > 0 for r in report["products"] for v in r["weight_gbps"].values())
+    assert "panels" in f32["ms"] and f32["panels_over_best_other"] > 0  # float32 only
+    assert "panels" not in int8["ms"] and int8["panels_over_best_other"] is None
     assert [r["format"] for r in report["engine_batch1"]] == ["float32", "int8"]
     assert all(r["step_over_floor"] > 0 for r in report["engine_batch1"])
 
