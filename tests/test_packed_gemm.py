@@ -105,6 +105,12 @@ def test_linear_runs_decode_batches_through_the_panels(monkeypatch: pytest.Monke
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
         assert lin(x.view(1, rows, 72)).shape == (1, rows, 50)
         assert calls == ([rows, rows] if 1 < rows <= Linear.PANELS_MAX_ROWS else []), rows
+    # Without oneDNN's copy (--no-cpu-prepack) the panels take the long batches too.
+    lin.packed_weight = None
+    calls.clear()
+    x = torch.randn(Linear.PANELS_MAX_ROWS + 1, 72, generator=gen)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    assert calls == [len(x)]
     # A new weight drops the panels of the old one.
     lin.store_weight(torch.randn(50, 72, generator=gen))
     assert lin.panels is None and not lin.cpu_gemm

@@ -20,8 +20,10 @@ class Linear(nn.Module):
       stored format below DENSE_MIN_ROWS, and float32 products of at most KERNEL_MAX_ROWS rows.
       For float32 weights it also packs a copy into the column panels of the register-tiled
       kernel (kernels/csrc/packed_gemm.c), which then runs the float32 products of 2 to
-      PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate), leaving
-      weight_gemm.c the single row, whose product is one stream of the weight bytes.
+      PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate), and of
+      any larger batch when there is no oneDNN copy (`--no-cpu-prepack`: one weight copy
+      fewer, prefill products a few percent slower), leaving weight_gemm.c the single row,
+      whose product is one stream of the weight bytes.
     - `prepack()` (float32 weights): oneDNN's blocked layout, for the larger float32 batches
       (prefill), where the products are bound by arithmetic rather than by the weight bytes.
     - `F.linear`, after widening the stored weight to the activations' dtype a tile at a time:
@@ -83,7 +85,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.numel() // self.in_features
-        if self.panels is not None and x.dtype == torch.float32 and 1 < rows <= self.PANELS_MAX_ROWS:
+        if (self.panels is not None and x.dtype == torch.float32 and rows > 1
+                and (rows <= self.PANELS_MAX_ROWS or self.packed_weight is None)):
             y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
             return y.view(*shape[:-1], self.out_features)
         stored = self.weight.dtype != x.dtype
