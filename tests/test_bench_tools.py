@@ -92,6 +92,7 @@ def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert [r["batch"] for r in floor["rows"]] == [1, 3]
     for row in floor["rows"]:
         assert row["step_ms"]["median"] > 0 and row["chain_engine_linear_ms"] > 0 and row["floor_ms"] > 0
+        assert row["chain_onednn_ms"] > 0  # the engine prepacks for oneDNN by default
         assert row["flops"] == row["batch"] * floor["rows"][0]["flops"]
         assert all(v > 0 for v in row["ratios"].values())
 

@@ -55,9 +55,12 @@ def measure_matmul(n: int = 2048, reps: int = 5) -> dict[str, float]:
     return {"matmul_n": n, "gflops": 2 * n**3 / t / 1e9}
 
 
-def chain(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Callable[[], None], int, int]:
-    """(engine-Linear chain, F.linear chain, weight bytes, FLOPs) for one decode step's
-    products: each Linear of each layer, then the LM head, on a batch of `batch` rows."""
+def chains(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Callable[[], None], int, int,
+                                                        Callable[[], None] | None]:
+    """(engine-Linear chain, F.linear chain, weight bytes, FLOPs, oneDNN chain) for one decode
+    step's products: each Linear of each layer, then the LM head, on a batch of `batch` rows.
+    The oneDNN chain runs on its prepacked weights alone (None when the Linears hold no oneDNN
+    copy): the path the engine took for decode batches before the packed-panel kernel."""
     linears = []
     for layer in model.layers:
         linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -75,9 +78,15 @@ def chain(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Calla
         for m, x in pairs:
             F.linear(x, m.weight)
 
+    @torch.inference_mode()
+    def through_onednn() -> None:
+        for m, x in pairs:
+            torch.ops.mkldnn._linear_pointwise(x, m.packed_weight, m.bias, "none", [], "")
+
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     flops = 2 * batch * sum(m.weight.numel() for m in linears)
-    return through_engine, through_f_linear, weight_bytes, flops
+    onednn = through_onednn if all(m.packed_weight is not None for m in linears) else None
+    return through_engine, through_f_linear, weight_bytes, flops, onednn
 
 
 def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: int,
@@ -127,9 +136,10 @@ def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: 
     rows = []
     for b in batch_sizes:
         step = engine_decode_steps(llm, b, context, steps, warmup, token_range, seed, progress)
-        via_engine, via_f, weight_bytes, flops = chain(model, b)
+        via_engine, via_f, weight_bytes, flops, via_onednn = chains(model, b)
         chain_engine = best_seconds(via_engine, chain_reps)
         chain_f = best_seconds(via_f, chain_reps)
+        chain_onednn = best_seconds(via_onednn, chain_reps) if via_onednn is not None else None
         bw_floor = weight_bytes / (bandwidth["read_gbps"] * 1e9)
         flop_floor = flops / (matmul["gflops"] * 1e9)
         step_s = statistics.median(step)
@@ -138,6 +148,7 @@ def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: 
             "step_ms": {"median": step_s * 1e3, "mean": statistics.fmean(step) * 1e3, "min": min(step) * 1e3},
             "chain_engine_linear_ms": statistics.median(chain_engine) * 1e3,
             "chain_f_linear_ms": statistics.median(chain_f) * 1e3,
+            "chain_onednn_ms": statistics.median(chain_onednn) * 1e3 if chain_onednn else None,
             "weight_bytes": weight_bytes, "flops": flops,
             "floor_bandwidth_ms": bw_floor * 1e3, "floor_flops_ms": flop_floor * 1e3,
             "floor_ms": max(bw_floor, flop_floor) * 1e3,
