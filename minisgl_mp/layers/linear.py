@@ -17,13 +17,14 @@ class Linear(nn.Module):
     On the CPU, four paths, chosen by the number of rows (see docs/benchmarks.md):
     - `enable_cpu_gemm()`: the C kernel (kernels/csrc/weight_gemm.c) reads each weight once for
       up to a few rows, at the memory's rate, in any stored format. It runs every product of a
-      stored format below DENSE_MIN_ROWS, and float32 products of at most KERNEL_MAX_ROWS rows.
+      stored format below DENSE_MIN_ROWS, and float32 products of at most KERNEL_MAX_ROWS rows
+      when the float32 weight has no panels.
       For float32 weights it also packs a copy into the column panels of the register-tiled
-      kernel (kernels/csrc/packed_gemm.c), which then runs the float32 products of 2 to
-      PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate), and of
+      kernel (kernels/csrc/packed_gemm.c), which then runs the float32 products of 1 to
+      PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate; at one
+      row it also read the weights faster than weight_gemm.c's row-at-a-time path), and of
       any larger batch when there is no oneDNN copy (`--no-cpu-prepack`: one weight copy
-      fewer, prefill products a few percent slower), leaving weight_gemm.c the single row,
-      whose product is one stream of the weight bytes.
+      fewer, prefill products a few percent slower).
     - `prepack()` (float32 weights): oneDNN's blocked layout, for the larger float32 batches
       (prefill), where the products are bound by arithmetic rather than by the weight bytes.
     - `F.linear`, after widening the stored weight to the activations' dtype a tile at a time:
@@ -34,6 +35,7 @@ class Linear(nn.Module):
 
     PACKED_MIN_ROWS = 4
     KERNEL_MAX_ROWS = 8
+    PANELS_MIN_ROWS = 1
     PANELS_MAX_ROWS = 256
     DENSE_MIN_ROWS = 256
     WIDEN_TILE = 4096  # output channels widened at once on the fallback path
@@ -85,7 +87,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.numel() // self.in_features
-        if (self.panels is not None and x.dtype == torch.float32 and rows > 1
+        if (self.panels is not None and x.dtype == torch.float32 and rows >= self.PANELS_MIN_ROWS
                 and (rows <= self.PANELS_MAX_ROWS or self.packed_weight is None)):
             y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
             return y.view(*shape[:-1], self.out_features)
