@@ -2,7 +2,7 @@
 
 Against float64 products for every vector path this machine can build (AVX-512 where the CPU
 has it, AVX2 and plain C everywhere: MINISGL_MP_CPU_ISA), on shapes that leave partial row
-tiles, partial units and partial vectors; `Linear` picking it for 2 to PANELS_MAX_ROWS rows
+tiles, partial units and partial vectors; `Linear` picking it for 1 to PANELS_MAX_ROWS rows
 and agreeing with its other paths; and the engine, whose decode batches run through it,
 against transformers, teacher-forced.
 """

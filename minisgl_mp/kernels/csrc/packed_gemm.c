@@ -79,8 +79,8 @@ static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 
 #define UW (VL * NV) /* channels per unit: 48 (AVX-512), 16 (AVX2 and plain C) */
 /* Steps of K per block. A block of a unit (48 x 2048 floats, 384 KiB) stays in L2 while the
- * row groups pass over it; blocking any finer measured slower, since each block costs a round
- * of accumulator loads and stores. Models of the 0.6B-4B shapes have K <= 2048 except in the
+ * row groups pass over it; blocks of 64-512 steps measured no faster on the 0.6B shapes, and
+ * each block costs a round of accumulator loads and stores. Models of the 0.6B-4B shapes have K <= 2048 except in the
  * down projection, so most products are one block. */
 #ifndef KC
 #define KC 2048
@@ -89,7 +89,6 @@ static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 #ifndef PF
 #define PF 16
 #endif
-
 
 /* R rows of y by the V vectors of one unit (ncols of them real), over k steps of K: the
  * accumulators start from zero on the first block of K and from y after it, and the bias is
