@@ -7,8 +7,9 @@ memory's read rate measured in the same run.
 1. Products on the Qwen3-0.6B shapes (`--chain-layers` layers' qkv, o, gate_up and down, then
    the LM head: distinct tensors, far larger than the caches), per stored format and batch size:
    the C kernel, the register-tiled kernel over packed panels, oneDNN prepacked and `F.linear`
-   (float32), the widened-tile path (16-bit and int8), and what `Linear` picks. Weight GB/s = weight bytes / time; the kernel's crossover is
-   the largest batch where it beats every other path.
+   (float32), the widened-tile path (16-bit and int8), and what `Linear` picks. Weight GB/s =
+   weight bytes / time; the kernel's crossover is the largest batch where it beats every other
+   path.
 2. The engine's batch-1 decode step per format (random weights, `--context` tokens cached)
    against its bandwidth floor: the bytes of every Linear weight over the read rate measured
    just before.

@@ -49,7 +49,7 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata=_help("auto (cpu on the CPU; flashinfer on CUDA when installed, else triton), cpu (the C paged kernel), sdpa (PyTorch), triton, flashinfer"))
     cuda_graph_max_bs: int | None = field(default=None, metadata=_help("on CUDA: largest decode batch run through a captured CUDA graph (default: 256, at most --max-running-requests)"))
     disable_cuda_graph: bool = field(default=False, metadata=_help("on CUDA: run decode steps eagerly, without CUDA graphs"))
-    cpu_small_gemm: bool = field(default=True, metadata=_help("on CPU, the C product kernels: float32 weights packed into panels for 2-256 rows (one more weight copy), one-row products, float16/bfloat16/int8 weights (built on first use; PyTorch fallback)"))
+    cpu_small_gemm: bool = field(default=True, metadata=_help("on CPU, the C product kernels: float32 weights packed into panels for 1-256 rows (one more weight copy), and float16/bfloat16/int8 weights (built on first use; PyTorch fallback)"))
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack float32 linear weights for oneDNN (one more weight copy), for batches past 256 rows"))
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))

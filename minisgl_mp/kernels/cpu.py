@@ -1,8 +1,8 @@
 """The C kernels for the CPU (csrc/*.c), built on first use, and their Python entry points:
 paged attention (csrc/paged_attention.c), the fused norm / rotary steps of a decoder layer
 (csrc/fused_ops.c), the small-batch product with float32, 16-bit or int8 weights
-(csrc/weight_gemm.c) and the register-tiled float32 product over packed weights for batches of
-a few dozen rows (csrc/packed_gemm.c).
+(csrc/weight_gemm.c) and the register-tiled float32 product over packed weights for decode
+batches (csrc/packed_gemm.c).
 
 The sources are compiled together with the system C compiler (a second or two) into one
 library in a per-user cache and loaded with ctypes: no torch headers, no pybind. OpenMP is
@@ -246,7 +246,7 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, isa: str | None = None) -> None:
         self.isa = isa or default_isa()
-        lib = load(self.isa)
+        self._lib = lib = load(self.isa)
         if lib is None:
             raise RuntimeError("the CPU product kernel is not available")
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
@@ -260,7 +260,6 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32, plus `bias` [N]
         float32."""
-        lib = load(self.isa)
         n, k = self.out_features, self.in_features
         if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
@@ -269,7 +268,7 @@ class PackedWeight:
         if bias is not None and (bias.shape != (n,) or not _fused_ok(bias)):
             raise ValueError(f"bias must be contiguous float32 [{n}]")
         y = x.new_empty((x.shape[0], n))
-        lib.packed_gemm_f32(x.data_ptr(), x.shape[0], k, x.stride(0), self.panels.data_ptr(), n,
+        self._lib.packed_gemm_f32(x.data_ptr(), x.shape[0], k, x.stride(0), self.panels.data_ptr(), n,
                             None if bias is None else bias.data_ptr(), y.data_ptr(), n)
         return y
 

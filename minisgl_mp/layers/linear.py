@@ -15,11 +15,10 @@ class Linear(nn.Module):
     x and y keep the model's dtype: the product widens the weight on the fly.
 
     On the CPU, four paths, chosen by the number of rows (see docs/benchmarks.md):
-    - `enable_cpu_gemm()`: the C kernel (kernels/csrc/weight_gemm.c) reads each weight once for
-      up to a few rows, at the memory's rate, in any stored format. It runs every product of a
-      stored format below DENSE_MIN_ROWS, and float32 products of at most KERNEL_MAX_ROWS rows
-      when the float32 weight has no panels.
-      For float32 weights it also packs a copy into the column panels of the register-tiled
+    - `enable_cpu_gemm()`: for a stored format, the C kernel (kernels/csrc/weight_gemm.c)
+      widens each weight in registers and reads it once for a few rows at a time, at the
+      memory's rate; it runs every product of a stored format below DENSE_MIN_ROWS.
+      For float32 weights it packs a copy into the column panels of the register-tiled
       kernel (kernels/csrc/packed_gemm.c), which then runs the float32 products of 1 to
       PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate; at one
       row it also read the weights faster than weight_gemm.c's row-at-a-time path), and of
@@ -34,8 +33,6 @@ class Linear(nn.Module):
     """
 
     PACKED_MIN_ROWS = 4
-    KERNEL_MAX_ROWS = 8
-    PANELS_MIN_ROWS = 1
     PANELS_MAX_ROWS = 256
     DENSE_MIN_ROWS = 256
     WIDEN_TILE = 4096  # output channels widened at once on the fallback path
@@ -87,12 +84,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.numel() // self.in_features
-        if (self.panels is not None and x.dtype == torch.float32 and rows >= self.PANELS_MIN_ROWS
+        if (self.panels is not None and x.dtype == torch.float32
                 and (rows <= self.PANELS_MAX_ROWS or self.packed_weight is None)):
             y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
             return y.view(*shape[:-1], self.out_features)
         stored = self.weight.dtype != x.dtype
-        if self.cpu_gemm and x.dtype == torch.float32 and rows < (self.DENSE_MIN_ROWS if stored else self.KERNEL_MAX_ROWS + 1):
+        if self.cpu_gemm and stored and x.dtype == torch.float32 and rows < self.DENSE_MIN_ROWS:
             y = cpu_kernels.weight_gemm(x.reshape(rows, shape[-1]).contiguous(), self.weight, self.weight_scale, self.bias)
             return y.view(*shape[:-1], self.out_features)
         if self.packed_weight is not None and rows >= self.PACKED_MIN_ROWS:

@@ -1,6 +1,6 @@
 /*
- * y[M, N] = x[M, K] W[N, K]^T (+ bias[N]), float32, for batches of a few to a few dozen rows,
- * with W packed once at load time into column panels.
+ * y[M, N] = x[M, K] W[N, K]^T (+ bias[N]), float32, for decode batches (one to a few hundred
+ * rows), with W packed once at load time into column panels.
  *
  * Why a second float32 kernel: weight_gemm.c reduces along K (a dot product per output), which
  * is right while the weight bytes bound the product (one to eight rows) but leaves it short of
@@ -80,8 +80,8 @@ static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 #define UW (VL * NV) /* channels per unit: 48 (AVX-512), 16 (AVX2 and plain C) */
 /* Steps of K per block. A block of a unit (48 x 2048 floats, 384 KiB) stays in L2 while the
  * row groups pass over it; blocks of 64-512 steps measured no faster on the 0.6B shapes, and
- * each block costs a round of accumulator loads and stores. Models of the 0.6B-4B shapes have K <= 2048 except in the
- * down projection, so most products are one block. */
+ * each block costs a round of accumulator loads and stores. Models of the 0.6B-4B shapes have
+ * K <= 2048 except in the down projection, so most products are one block. */
 #ifndef KC
 #define KC 2048
 #endif
