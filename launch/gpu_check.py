@@ -74,16 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         run("greedy_vs_hf_large", lambda: checks.greedy_vs_hf(large, args.device, dtype, sizes, tol, args.seed))
     run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed, args.quick))
 
-    graph_modes = (False, True) if args.device.startswith("cuda") else (True,)  # no graphs on the CPU
-    for disable_graph in graph_modes:
-        tag = "eager" if disable_graph else "cuda_graph"
+    run("overlap_agrees", lambda: checks.overlap_agrees(small, args.device, dtype, args.seed))
+    # (tag, disable_cuda_graph, disable_overlap_schedule): no graphs and no overlap on the CPU.
+    modes = [("eager", True, True), ("cuda_graph", False, True), ("cuda_graph_overlap", False, False)] \
+        if args.device.startswith("cuda") else [("eager", True, True)]
+    for tag, disable_graph, disable_overlap in modes:
         kwargs = checks.engine_kwargs(args.device, dtype, max(sizes.decode_batches + (sizes.skew_short + 1,)))
         context = max(sizes.long_prompt + 64, sizes.decode_context + 64, 2 * sizes.throughput_lens[1] + 8)
         llm = LLM(large.engine_model, load_format=large.engine_load_format, disable_cuda_graph=disable_graph,
-                  context_length=context, **kwargs)
+                  disable_overlap_schedule=disable_overlap, context_length=context, **kwargs)
         vocab = llm.scheduler.runner.model_config.vocab_size
-        log(f"engine ({tag}): attention {llm.scheduler.runner.attention_backend}")
-        if not disable_graph or len(graph_modes) == 1:
+        log(f"engine ({tag}): attention {llm.scheduler.runner.attention_backend}, overlap {llm.scheduler.overlap}")
+        if tag == modes[-1][0]:
             run("long_context", lambda: checks.long_context(llm, sizes, vocab, args.seed))
         run(f"throughput_{tag}", lambda: checks.throughput(llm, sizes, vocab, args.seed))
         run(f"decode_steps_{tag}", lambda: checks.decode_steps(llm, sizes, vocab, args.seed))
@@ -91,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    results["overlap_schedule"] = {"ok": None, "note": "overlap scheduling is not built yet (issue 19, item 4)"}
     run("hf_generate_baseline", lambda: checks.hf_baseline(large, args.device, dtype, sizes, vocab, args.seed))
 
     report["seconds"] = round(time.perf_counter() - started, 1)

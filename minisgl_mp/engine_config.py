@@ -49,6 +49,7 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata=_help("auto (cpu on the CPU; flashinfer on CUDA when installed, else triton), cpu (the C paged kernel), sdpa (PyTorch), triton, flashinfer"))
     cuda_graph_max_bs: int | None = field(default=None, metadata=_help("on CUDA: largest decode batch run through a captured CUDA graph (default: 256, at most --max-running-requests)"))
     disable_cuda_graph: bool = field(default=False, metadata=_help("on CUDA: run decode steps eagerly, without CUDA graphs"))
+    disable_overlap_schedule: bool | None = field(default=None, metadata=_help("run each step's scheduling after the previous step's tokens are read, instead of while the device computes it (overlap scheduling). Default: overlap on CUDA, off on the CPU (where the forward runs on the host's own cores and there is nothing to overlap); --no-disable-overlap-schedule turns it on anywhere"))
     cpu_small_gemm: bool = field(default=True, metadata=_help("on CPU, the C product kernels: float32 weights packed into panels for 1-256 rows (one more weight copy), and float16/bfloat16/int8 weights (built on first use; PyTorch fallback)"))
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack float32 linear weights for oneDNN (one more weight copy), for batches past 256 rows"))
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))

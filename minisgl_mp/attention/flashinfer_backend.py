@@ -24,6 +24,7 @@ import torch
 from minisgl_mp.attention.base import AttentionBackend, BatchLayout
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
+from minisgl_mp.utils.device import host_tensor
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch for split-KV partial results
 
@@ -41,7 +42,7 @@ def flat_kv_indices(table: torch.Tensor, rows: torch.Tensor, seq_lens: Sequence[
     device sync)."""
     total = sum(seq_lens)
     device = table.device
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    lens = host_tensor(list(seq_lens), torch.int64, device)
     starts = torch.cumsum(lens, 0) - lens
     req = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens, output_size=total)
     pos = torch.arange(total, device=device) - starts[req]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from minisgl_mp.attention.base import AttentionBackend, BatchLayout
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
+from minisgl_mp.utils.device import host_tensor
 
 # Padded decode tokens gathered at once: 64k tokens of the Qwen3-0.6B shape (8 KV heads of 128)
 # are 256 MiB of K+V in float32, 128 MiB in bfloat16.
@@ -114,15 +115,15 @@ class SdpaBackend(AttentionBackend):
         for group in self._decode_groups(sorted(decode, key=lambda i: seq_lens[i]), seq_lens):
             lens = [seq_lens[i] for i in group]
             max_len = lens[-1]
-            rows = req_slots[torch.tensor(group, device=device)]
+            rows = req_slots[host_tensor(group, torch.int64, device)]
             kv_index = table[:, :max_len].index_select(0, rows)
             mask = None
             if lens[0] != max_len:
-                valid = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+                valid = torch.arange(max_len, device=device)[None, :] < host_tensor(lens, torch.int64, device)[:, None]
                 # Past a request's length the table holds stale slots: read the pad slot instead.
                 kv_index = kv_index.masked_fill(~valid, self.pool.pad_slot)
                 mask = valid[:, None, None, :]
-            chunks.append(DecodeChunk(torch.tensor([starts[i] for i in group], device=device), kv_index, mask))
+            chunks.append(DecodeChunk(host_tensor([starts[i] for i in group], torch.int64, device), kv_index, mask))
 
         seqs = []
         for i in extend:

@@ -21,6 +21,7 @@ from minisgl_mp.attention.base import AttentionBackend, BatchLayout, ForwardMode
 from minisgl_mp.attention.sdpa import token_starts
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
+from minisgl_mp.utils.device import host_tensor
 
 if TYPE_CHECKING:
     from minisgl_mp.engine.cuda_graph import DecodeGraphInputs
@@ -86,13 +87,13 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         device = self.req_table.table.device
-        seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int32, device=device)
+        seq_lens = host_tensor(list(layout.seq_lens), torch.int32, device)
         if layout.mode == ForwardMode.DECODE or all(n == 1 for n in layout.extend_lens):
             return TritonMetadata(layout.out_loc, layout.req_slots, seq_lens, decode=True,
                                   decode_splits=decode_splits(max(layout.seq_lens)))
 
         def ints(values: object) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
+            return host_tensor(list(values), torch.int32, device)
 
         return TritonMetadata(
             layout.out_loc, layout.req_slots, seq_lens, decode=False,

@@ -25,6 +25,7 @@ from minisgl_mp.bench.workloads import LengthRange, random_workload
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.llm import LLM
+from minisgl_mp.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,7 @@ def greedy_vs_hf(model: BenchModel, device: str, dtype: torch.dtype, sizes: Size
             "prompt_lens": [len(p) for p in prompts], "tokens_each": sizes.greedy_tokens}
 
 
-def _greedy(n: int) -> Any:
-    from minisgl_mp.sampling_params import SamplingParams
-
+def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
@@ -148,6 +147,24 @@ def long_context(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any
     return {"ok": done, "prompt_tokens": sizes.long_prompt, "short_requests": sizes.skew_short,
             "alone_s": alone_s, "skewed_batch_s": skewed_s,
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """Greedy, seeded and penalized outputs with overlap scheduling equal those without."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, frequency_penalty=1.0, ignore_eos=True)] * 4
+    outs = {}
+    for disable in (True, False):
+        llm = LLM(model.engine_model, load_format=model.engine_load_format, device=device,
+                  dtype=str(dtype).replace("torch.", ""), disable_overlap_schedule=disable, num_pages=4096)
+        vocab = llm.scheduler.runner.model_config.vocab_size
+        prompts = [torch.randint(vocab, (8 + 5 * i,), generator=torch.Generator().manual_seed(seed + i)).tolist()
+                   for i in range(len(params))]
+        outs[disable] = [o["token_ids"] for o in llm.generate(prompts, params)]
+        del llm
+    same = sum(a == b for a, b in zip(outs[True], outs[False]))
+    return {"ok": same == len(params), "requests": len(params), "identical": same}
 
 
 def throughput(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any]:

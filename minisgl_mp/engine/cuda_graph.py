@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from minisgl_mp.attention.base import AttentionBackend, AttentionContext, BatchLayout, ForwardMode
+from minisgl_mp.utils.device import host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class DecodeGraphInputs:
         self.positions[:b].copy_(positions)
         self.out_loc[:b].copy_(layout.out_loc)
         self.req_rows[:b].copy_(layout.req_slots)
-        self.seq_lens[:b].copy_(torch.tensor(layout.seq_lens, dtype=torch.int32))
+        self.seq_lens[:b].copy_(host_tensor(list(layout.seq_lens), torch.int32, self.seq_lens.device))
         if padded_bs > b:
             for buf in (self.input_ids, self.positions, self.req_rows, self.seq_lens):
                 buf[b:padded_bs].zero_()

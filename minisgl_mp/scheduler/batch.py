@@ -8,6 +8,7 @@ import torch
 
 from minisgl_mp.attention.base import BatchLayout, ForwardMode
 from minisgl_mp.scheduler.req import Req
+from minisgl_mp.utils.device import host_tensor
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class ScheduledBatch:
     # (request, first position, count): prompt positions whose logits this forward returns
     # after the sampled rows, for prompt log-probabilities. Empty unless a request asked.
     prompt_logprob_spans: tuple[tuple[Req, int, int], ...] = ()
+    # Some decode's input is the unread token of the step launched before (overlap
+    # scheduling): -(k + 1) in `input_ids` stands for that step's k-th sampled token.
+    has_futures: bool = False
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -75,15 +79,16 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
             logit_rows.append(offset - 1)
     layout = BatchLayout(
         mode=ForwardMode.EXTEND if prefills else ForwardMode.DECODE,
-        req_slots=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
+        req_slots=host_tensor([r.row for r in reqs], torch.int64, device),
         cached_lens=tuple(r.cached_len for r in reqs),
         extend_lens=tuple(lens),
         out_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
     )
     return ScheduledBatch(
         reqs=reqs, extend_lens=lens, sampled=sampled, prefill=prefill, layout=layout,
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(pos, dtype=torch.int64, device=device),
-        logits_indices=torch.tensor(logit_rows + span_rows, dtype=torch.int64, device=device),
+        input_ids=host_tensor(ids, torch.int64, device),
+        positions=host_tensor(pos, torch.int64, device),
+        logits_indices=host_tensor(logit_rows + span_rows, torch.int64, device),
         prompt_logprob_spans=tuple(spans),
+        has_futures=any(t < 0 for t in ids[:nd]),
     )

@@ -15,6 +15,7 @@ from minisgl_mp.kvcache.allocator import PageAllocator
 from minisgl_mp.kvcache.base import BasePrefixCache
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.scheduler.req import Req
+from minisgl_mp.utils.device import host_tensor
 
 
 class CacheManager:
@@ -77,14 +78,14 @@ class CacheManager:
             if not self._ensure_free_pages(len(needy)):
                 return None
             pages = self.allocator.alloc_pages(len(needy))
-            rows = torch.tensor([r.row for r in needy], device=self.device)
+            rows = host_tensor([r.row for r in needy], torch.int64, self.device)
             offsets = torch.arange(self.page_size, device=self.device)
-            cols = torch.tensor([r.alloc_len for r in needy], device=self.device)[:, None] + offsets
+            cols = host_tensor([r.alloc_len for r in needy], torch.int64, self.device)[:, None] + offsets
             self.table.table[rows[:, None], cols] = pages[:, None] * self.page_size + offsets
             for r in needy:
                 r.alloc_len += self.page_size
-        rows = torch.tensor([r.row for r in reqs], device=self.device)
-        cols = torch.tensor([r.cached_len for r in reqs], device=self.device)
+        rows = host_tensor([r.row for r in reqs], torch.int64, self.device)
+        cols = host_tensor([r.cached_len for r in reqs], torch.int64, self.device)
         return self.table.table[rows, cols]
 
     def cache_prefix(self, req: Req) -> None:

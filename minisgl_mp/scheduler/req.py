@@ -75,6 +75,9 @@ class Req:
         # sample them again), so it never needs a rebuild.
         self.grammar_future: Future[Any] | None = None
         self.grammar: GrammarMatcher | None = None
+        # The seed its random draws come from: its own, or one the sampler drew at its first
+        # admission (kept across retractions, so resuming does not change what it samples).
+        self.sampling_seed: int | None = None
 
     @property
     def seq_len(self) -> int:

@@ -38,7 +38,8 @@ from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.prefill_budget import MixedPrefillBudget
 from minisgl_mp.scheduler.policy import InFlightPrefixes, order_waiting
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
-from minisgl_mp.scheduler.sampler import SampleResult, Sampler, record_prompt_logprobs
+from minisgl_mp.scheduler.sampler import DeviceSample, SampleResult, Sampler, record_prompt_logprobs
+from minisgl_mp.utils.device import host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,17 @@ PROMPT_LOGPROB_CHUNK = 512
 GRAMMAR_WAIT_S = 0.01
 NO_GRAMMAR_BACKEND = ("structured output (json_schema, regex, ebnf, response_format) is off: "
                       "this server runs with --grammar-backend none")
+
+
+@dataclass
+class LaunchedStep:
+    """A forward that has run (or, on a GPU, been queued) and been sampled, whose tokens the
+    host has not read yet. Each sampled request holds a placeholder at `positions[k]` of its
+    token ids: -(k + 1), where k is its row in `sample`."""
+
+    batch: ScheduledBatch
+    sample: DeviceSample | SampleResult | None
+    positions: list[int]  # per sampled request
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,8 @@ class Scheduler:
         cache = create_prefix_cache(config.cache_type, config.page_size, self.device)
         self.kv = CacheManager(allocator, cache, runner.req_table)
         self.grammar = grammar
-        self.sampler = Sampler(runner.model_config.vocab_size, self.device, config.seed, grammar)
+        self.sampler = Sampler(runner.model_config.vocab_size, self.device, runner.req_table.table.shape[0],
+                               config.seed, grammar)
         self.waiting: deque[Req] = deque()
         # Requests whose grammar is still compiling, in arrival order; they join `waiting` when it is done.
         self.grammar_queue: list[Req] = []
@@ -159,6 +172,11 @@ class Scheduler:
         self._step_reqs: list[Req] = []
         self._failure_streak: tuple[str, int] = ("", 0)  # (failure, consecutive steps)
         self._failed_this_step = False
+        # Overlap scheduling: the step launched last, read back only after the next is launched.
+        overlap = config.disable_overlap_schedule is False or (
+            config.disable_overlap_schedule is None and self.device.type == "cuda")
+        self.overlap = overlap and tp is None  # under TP rank 0's tokens are broadcast: a sync anyway
+        self._inflight: LaunchedStep | None = None
 
     # ---- intake -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -257,33 +275,42 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_outputs or self.grammar_queue)
+        return bool(self.waiting or self.running or self._pending_outputs or self.grammar_queue
+                    or self._inflight is not None)
 
     # ---- the loop body --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
+        """Without overlap: schedule, run, sample and process one batch. With overlap: schedule
+        and launch the next batch first, then read back and process the one launched by the
+        previous call, so the host's work for step N+1 runs while the device computes step N.
+        Its decodes take their input tokens straight from step N's sampled tokens on the device."""
         self._step_reqs = []
         self._failed_this_step = False
-        batch = None
+        prev, self._inflight = self._inflight, None
+        batch = launched = None
         try:
             if self.grammar_queue:
                 self._admit_compiled()
+            if prev is not None and self._needs_tokens(prev):
+                prev, done = None, prev
+                self._complete(done)
             batch = self._schedule()
             if batch is not None:
-                self._forwards += 1
-                self.faults.before("forward", self._forwards)
-                t0 = time.perf_counter()
-                logits = self.runner.forward(batch.layout, batch.input_ids, batch.positions, batch.logits_indices)
-                num_sampled = len(batch.sampled_reqs)
-                if batch.prompt_logprob_spans:
-                    record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled:])
-                result = self._sample(logits[:num_sampled], batch.sampled_reqs)
-                self._observe_step(batch, time.perf_counter() - t0)
-                self._process(batch, result)
+                launched = self._launch(batch, prev)
+                if not self.overlap:
+                    launched, done = None, launched
+                    self._complete(done)
                 self._failure_streak = ("", 0)
         except FatalSchedulerError:
             raise
         except Exception as e:  # noqa: BLE001 - one failed step costs its requests, not the server
+            if prev is not None:  # what the step before computed still goes out first
+                prev, done = None, prev
+                self._complete_or_fail(done)
             self._fail_step(e, batch.reqs if batch is not None else self._step_reqs)
+        if prev is not None:
+            self._complete_or_fail(prev)
+        self._inflight = launched
         if batch is None and self.grammar_queue and not self._pending_outputs:
             wait([r.grammar_future for r in self.grammar_queue], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         if self._failed_this_step:
@@ -338,30 +365,98 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - any inconsistency is fatal here
             raise FatalSchedulerError(f"KV accounting broken after a failed step: {e}") from e
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
+    # ---- launching and completing a step ------------------------------------------------------
+    def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep:
+        """Run (or queue) the forward and the sampling of `batch`, and advance the host's
+        bookkeeping as far as it goes without the sampled tokens."""
+        self._forwards += 1
+        self.faults.before("forward", self._forwards)
+        t0 = time.perf_counter()
+        input_ids = batch.input_ids
+        if batch.has_futures:  # decodes whose input is a token of `prev`, still on the device
+            input_ids = torch.where(input_ids < 0, _token_tensor(prev.sample, self.device)[(-input_ids - 1).clamp(min=0)],
+                                    input_ids)
+        logits = self.runner.forward(batch.layout, input_ids, batch.positions, batch.logits_indices)
+        num_sampled = len(batch.sampled_reqs)
+        if batch.prompt_logprob_spans:
+            record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled:])
+        sample = self._sample(logits[:num_sampled], batch.sampled_reqs)
+        self._observe_step(batch, time.perf_counter() - t0)
+        positions = []
+        for req, n, sampled, prefill in zip(batch.reqs, batch.extend_lens, batch.sampled, batch.prefill):
+            if not req.finished:  # (failed while sampling)
+                self._advance(req, n, prefill, sampled, len(positions))
+            if sampled:
+                positions.append(req.seq_len - 1)
+        return LaunchedStep(batch, sample, positions)
+
+    def _advance(self, req: Req, n: int, prefill: bool, sampled: bool, k: int) -> None:
+        """`req` has run `n` more tokens; if it was sampled, its token is the k-th of the step
+        and a placeholder holds its place until it is read."""
+        req.cached_len += n
+        if not sampled:  # a prompt chunk that goes on in a later step
+            return
+        if prefill and req.cached_len - req.cache_len >= self.kv.page_size:
+            self.kv.cache_prefix(req)
+        req.token_ids.append(-(k + 1))
+
+    def _complete(self, step: LaunchedStep) -> None:
+        """Read the step's tokens back (the one sync of a step) and process them."""
+        result = step.sample.resolve() if isinstance(step.sample, DeviceSample) else step.sample
+        self._process(step, result)
+
+    def _complete_or_fail(self, step: LaunchedStep) -> None:
+        try:
+            self._complete(step)
+        except FatalSchedulerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as for a step that fails to run
+            self._fail_step(e, step.batch.reqs)
+
+    def _needs_tokens(self, prev: LaunchedStep) -> bool:
+        """Whether the next step cannot be scheduled before `prev`'s tokens are read: a
+        grammar must accept a token before it can mask the next, and a retraction must not
+        send a request back to the queue with a token still unread (nor can a finished request
+        that would free pages be told apart from one that goes on)."""
+        if any(r.grammar is not None for r in prev.batch.sampled_reqs):
+            return True
+        pages = sum(self.kv.pages_for(r, 1) for r in self.running if self._decodable(r))
+        return pages * self.kv.page_size > self.kv.available_tokens
+
+    @staticmethod
+    def _decodable(req: Req) -> bool:
+        # A request whose unread token is its last allowed one ends when it is read: no step
+        # is launched for it (one whose unread token is a stop token costs one step, discarded).
+        return req.is_decoding and req.seq_len < req.max_seq_len
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> DeviceSample | SampleResult | None:
         result = self._sample_local(logits, reqs)
         if result is None or self.tp is None:
             return result
+        result = result.resolve() if isinstance(result, DeviceSample) else result
         # Every rank sampled the same all-gathered logits with the same generator; rank 0's
         # tokens are the ones every rank appends, so the ranks cannot part ways.
         ids = self.tp.broadcast_ints([-1 if t is None else t for t in result.token_ids])
         return SampleResult([None if t < 0 else t for t in ids], result.logprobs)
 
-    def _sample_local(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult | None:
-        """Sample the batch; if that raises, sample each request alone and fail only those whose
-        own sampling fails (their constraints), with None in their place."""
+    def _sample_local(self, logits: torch.Tensor, reqs: list[Req]) -> DeviceSample | SampleResult | None:
+        """Sample the batch, its tokens left on the device (their copy to the host queued); if
+        that raises, sample each request alone and fail only those whose own sampling fails
+        (their constraints), with None in their place."""
         if not reqs:
             return None
         try:
             self.faults.before("sample", self._forwards)
-            return self.sampler.sample(logits, reqs)
+            sample = self.sampler.sample(logits, reqs)
+            sample.start_copy()
+            return sample
         except Exception:  # noqa: BLE001 - narrowed down to the requests that cause it below
             logger.exception("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
         token_ids: list[int | None] = []
         logprobs: list[TokenLogprobs | None] = []
         for i, r in enumerate(reqs):
             try:
-                one = self.sampler.sample(logits[i : i + 1], [r])
+                one = self.sampler.sample(logits[i : i + 1], [r]).resolve()
                 token_ids.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             except Exception as e:  # noqa: BLE001 - this request's own failure
@@ -381,8 +476,8 @@ class Scheduler:
         self.prefill_budget.observe(seconds, num_decodes, batch.num_prefill_tokens)
 
     def _schedule(self) -> ScheduledBatch | None:
-        decodes = [r for r in self.running if r.is_decoding]
-        prefill_work = len(decodes) < len(self.running) or bool(self.waiting)
+        decodes = [r for r in self.running if self._decodable(r)]
+        prefill_work = any(not r.is_decoding for r in self.running) or bool(self.waiting)
         run_prefill = prefill_work and (
             self.config.mixed_batch or not decodes or self._prefill_streak < self.config.max_prefill_streak
         )
@@ -412,7 +507,7 @@ class Scheduler:
         """The decoding requests and the KV slot of each one's next token: one allocation and
         one page-table store for the whole group, after retracting until they all fit."""
         while True:
-            decodes = [r for r in self.running if r.is_decoding]
+            decodes = [r for r in self.running if self._decodable(r)]
             pages = sum(self.kv.pages_for(r, 1) for r in decodes)
             if pages * self.kv.page_size <= self.kv.available_tokens or not decodes:
                 break
@@ -513,6 +608,7 @@ class Scheduler:
             entries.append((r, n, loc))
             budget -= n
         self._drop_admitted(admitted)
+        self.sampler.bind([r for r, _, _ in entries])
         return entries
 
     def _drop_admitted(self, admitted: set[int]) -> None:
@@ -523,45 +619,44 @@ class Scheduler:
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
 
-    def _process(self, batch: ScheduledBatch, result: SampleResult | None) -> None:
+    def _process(self, step: LaunchedStep, result: SampleResult | None) -> None:
+        batch = step.batch
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
         self.stats.decode_tokens += sum(n for n, p in zip(batch.extend_lens, batch.prefill) if not p)
-        k = 0
-        for req, n, sampled, prefill in zip(batch.reqs, batch.extend_lens, batch.sampled, batch.prefill):
-            token, lp = None, None
-            if sampled:
-                token, lp = result.token_ids[k], result.logprobs[k]
-                k += 1
-            if req.finished:  # failed while sampling
+        for k, req in enumerate(batch.sampled_reqs):
+            if req.finished:  # failed while sampling, aborted, or ended by an earlier token
                 continue
             try:
-                self._process_one(req, n, prefill, token, lp)
+                self._accept(req, step.positions[k], result.token_ids[k], result.logprobs[k])
             except Exception as e:  # noqa: BLE001 - e.g. its stop-string check: only this request fails
                 logger.exception("processing the output of %s failed", req.rid)
                 self._fail(req, f"internal error while processing its output: {type(e).__name__}: {e}")
 
-    def _process_one(self, req: Req, n: int, prefill: bool, token: int | None, lp: TokenLogprobs | None) -> None:
-        req.cached_len += n
-        if token is None:  # a prompt chunk that goes on in a later step
-            return
-        if prefill and req.cached_len - req.cache_len >= self.kv.page_size:
-            self.kv.cache_prefix(req)
-        req.token_ids.append(token)
+    def _accept(self, req: Req, pos: int, token: int, lp: TokenLogprobs | None) -> None:
+        """The token sampled for position `pos` of `req` (its placeholder until now)."""
+        req.token_ids[pos] = token
         if lp is not None:
             req.logprobs.append(lp)
         if req.grammar is not None and not req.grammar.accept_token(token):
             raise RuntimeError(f"the grammar does not allow the sampled token {token}")
-        self._check_finished(req, token)
-        self._pending_outputs.append(self._output(req, [token], [lp] if lp is not None else []))
+        self._check_finished(req, token, pos + 1)
+        if req.finished and req.seq_len > pos + 1:
+            # A step launched after this token's had already run the request on: its token is
+            # dropped (its KV, of this token, is valid and may be cached).
+            del req.token_ids[pos + 1 :]
+            req.cached_len = min(req.cached_len, req.seq_len)
+        self._pending_outputs.append(self._output(req, [token], [lp] if lp is not None else [],
+                                                  output_len=pos + 1 - req.prompt_len))
         if req.finished:
             self.running.remove(req)
             self.kv.release(req)
             del self.reqs[req.rid]
             self.stats.finished += 1
 
-    def _check_finished(self, req: Req, token: int) -> None:
-        past_min = req.output_len >= req.params.min_tokens
+    def _check_finished(self, req: Req, token: int, seq_len: int) -> None:
+        """Whether `token`, ending the first `seq_len` tokens of `req`, ends it."""
+        past_min = seq_len - req.prompt_len >= req.params.min_tokens
         if token in req.stop_ids and past_min:
             req.finish_reason, req.matched_stop = FinishReason.STOP, token
         elif req.grammar is not None and req.grammar.is_terminated():
@@ -571,16 +666,17 @@ class Scheduler:
             req.stop_checker.push([token])
             if req.stop_checker.matched_stop is not None:
                 req.finish_reason, req.matched_stop = FinishReason.STOP, req.stop_checker.matched_stop
-        if req.finish_reason is None and req.seq_len >= req.max_seq_len:
+        if req.finish_reason is None and seq_len >= req.max_seq_len:
             req.finish_reason = FinishReason.LENGTH
 
-    def _output(self, req: Req, new_ids: list[int], lps: list[TokenLogprobs]) -> ReqOutput:
+    def _output(self, req: Req, new_ids: list[int], lps: list[TokenLogprobs],
+                output_len: int | None = None) -> ReqOutput:
         prompt_lps, req.prompt_logprobs = req.prompt_logprobs, []
         return ReqOutput(
             rid=req.rid, new_token_ids=new_ids, logprobs=lps, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
-            completion_tokens=req.output_len, cached_tokens=req.prefix_hit_len or 0,
+            completion_tokens=req.output_len if output_len is None else output_len, cached_tokens=req.prefix_hit_len or 0,
             prompt_logprobs=prompt_lps,
         )
 
@@ -615,3 +711,11 @@ class Scheduler:
             "finished": s.finished, "aborted": s.aborted,
             "failed_requests": s.failed_requests, "failed_steps": s.failed_steps,
         }
+
+
+def _token_tensor(sample: DeviceSample | SampleResult | None, device: torch.device) -> torch.Tensor:
+    """A launched step's sampled tokens on the device (failed rows read as 0: their requests
+    have ended and are in no later batch)."""
+    if isinstance(sample, DeviceSample):
+        return sample.token_ids
+    return host_tensor([0 if t is None else t for t in sample.token_ids], torch.int64, device)

@@ -49,3 +49,13 @@ def resolve_weight_dtypes(dtype: str, quantization: str | None, device: torch.de
     if quantization == "int8":
         return torch.float32, torch.int8
     return torch.float32, resolve_dtype(dtype, device, checkpoint_dtype)
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without waiting for the device: a plain `torch.tensor(values,
+    device="cuda")` copies from pageable memory and synchronises the stream, which would wait
+    for the forward that overlap scheduling left running. Pinned staging lets the copy queue
+    behind it (PyTorch's pinned allocator keeps the buffer until the copy is done)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
