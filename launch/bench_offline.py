@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cpu", help="engine and baseline device (default: cpu)")
     m.add_argument("--cache-type", default=ENGINE_DEFAULTS.cache_type, choices=("radix", "naive"))
     m.add_argument("--max-running-requests", type=int, default=ENGINE_DEFAULTS.max_running_requests)
-    m.add_argument("--max-prefill-tokens", type=int, default=ENGINE_DEFAULTS.max_prefill_tokens)
+    m.add_argument("--max-prefill-tokens", type=int, default=ENGINE_DEFAULTS.max_prefill_tokens,
+                   help="engine prefill chunk (default: the engine's, 2048 on CPU)")
     m.add_argument("--page-size", type=int, default=ENGINE_DEFAULTS.page_size)
     m.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS.kv_cache_dtype, choices=DTYPE_CHOICES,
                    help="engine KV cache dtype (auto: the model's, float32 here)")
@@ -128,7 +129,8 @@ def run_baselines(args: argparse.Namespace, model: BenchModel, workload: Workloa
     out: dict[str, Any] = {"hf_static": static, "hf_cap_conversations": cap}
     if args.hf_cb:
         n = min(len(workload.conversations), cap)
-        cb = HFContinuous(hf, args.max_prefill_tokens, args.max_running_requests, progress=args.progress)
+        cb = HFContinuous(hf, args.max_prefill_tokens or ENGINE_DEFAULTS.prefill_chunk(args.device.split(":")[0]),
+                          args.max_running_requests, progress=args.progress)
         print(f"transformers continuous batching: {n} conversations", flush=True)
         try:
             out["hf_cb"] = {**run_workload("hf continuous", workload.head(n), cb.generate).to_dict(),
@@ -223,7 +225,7 @@ def floor_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
 def prefill_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
     prompt_len = pick(args.prompt_len, 2048, 512, args)
     kw = engine_kwargs(args, model, args.cache_type)
-    kw |= {"max_prefill_tokens": max(prompt_len, args.max_prefill_tokens), "max_running_requests": 1,
+    kw |= {"max_prefill_tokens": max(prompt_len, args.max_prefill_tokens or 0), "max_running_requests": 1,
            "num_pages": args.num_pages or -(-(prompt_len + 8) // args.page_size)}
     llm = LLM(model.engine_model, **kw)
     token_range = token_range_of(llm.tokenizer, llm.scheduler.runner.model_config.vocab_size)

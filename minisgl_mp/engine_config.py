@@ -15,6 +15,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "none")
 QUANTIZATIONS = (None, "int8")
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
+DEFAULT_PREFILL_CHUNK = 8192
+CPU_PREFILL_CHUNK = 2048
 
 
 def _help(text: str) -> dict[str, str]:
@@ -39,7 +41,7 @@ class EngineConfig:
     cache_type: str = field(default="radix", metadata=_help("prefix cache: radix or naive (no reuse)"))
     # Scheduling
     max_running_requests: int = field(default=256, metadata=_help("requests decoding at once"))
-    max_prefill_tokens: int = field(default=8192, metadata=_help("tokens prefilled in one step (longer prompts are chunked)"))
+    max_prefill_tokens: int | None = field(default=None, metadata=_help("tokens prefilled in one step; longer prompts, and more prompts than fit, go on in later steps (SGLang's chunked prefill size). Default: 2048 on CPU, where a prefill runs faster in such chunks than in larger ones (docs/benchmarks.md section 17); 8192 on CUDA"))
     context_length: int | None = field(default=None, metadata=_help("max tokens per request, prompt plus output (default: the model's)"))
     schedule_policy: str = field(default="lpm", metadata=_help("fcfs or lpm (longest prefix match, with aging)"))
     schedule_aging_steps: int = field(default=32, metadata=_help("lpm: a request waiting this many rounds goes first"))
@@ -76,7 +78,7 @@ class EngineConfig:
         check(self.kv_cache_dtype in DTYPE_CHOICES, f"kv_cache_dtype must be one of {DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         check(self.cache_type in CACHE_TYPES, f"cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
-        check(self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1")
+        check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1")
         check(self.context_length is None or self.context_length >= 2, "context_length must be >= 2")
         check(self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}")
         check(self.schedule_aging_steps >= 1, "schedule_aging_steps must be >= 1")
@@ -88,6 +90,12 @@ class EngineConfig:
         check(self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+
+    def prefill_chunk(self, device_type: str) -> int:
+        """`max_prefill_tokens`, or its default on a device of this type."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return CPU_PREFILL_CHUNK if device_type == "cpu" else DEFAULT_PREFILL_CHUNK
 
     @property
     def graph_max_bs(self) -> int:

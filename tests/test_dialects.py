@@ -225,7 +225,9 @@ def test_sglang_and_vllm_helper_endpoints(server: ServerProcess, http: httpx.Cli
     info = http.get("/get_model_info").json()
     assert info["model_path"] == server.model and info["is_generation"] is True
     assert http.get("/model_info").json() == info
-    assert http.get("/get_server_info").json()["served_model_name"] == server.model
+    server_info = http.get("/get_server_info").json()
+    assert server_info["served_model_name"] == server.model
+    assert server_info["chunked_prefill_size"] == 2048  # the CPU's default prefill chunk
     load, = http.get("/get_load").json()
     assert load["dp_rank"] == 0 and load["num_reqs"] == 0 and "num_tokens" in load
     assert http.get("/version").json()["version"]

@@ -109,6 +109,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.add_rmsnorm_f32.restype = None
     lib.add_rmsnorm_f32.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, i64]
     lib.qk_norm_rope_f32.restype = None
+    lib.silu_mul_f32.restype = None
+    lib.silu_mul_f32.argtypes = [vp, i64, i64, i64, vp]
     lib.qk_norm_rope_f32.argtypes = [vp, i64, i64, i64, i64, i64, vp, vp, ctypes.c_float, vp, vp, vp, vp]
     lib.weight_gemm.restype = ctypes.c_int
     lib.weight_gemm.argtypes = [vp, i64, i64, vp, ctypes.c_int, vp, vp, vp, i64, i64]
@@ -184,6 +186,19 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     lib.add_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                         eps, out.data_ptr(), x.numel() // dim, dim)
     return out, x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from a fused projection gate_up [..., 2 * d] (float32 CPU, rows
+    contiguous): [..., d] in one pass."""
+    lib = load()
+    if lib is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.stride(-1) != 1:
+        raise ValueError("silu_mul needs the kernels and a float32 CPU tensor with contiguous rows")
+    d = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * d)  # a view for any tensor whose rows are evenly strided
+    out = gate_up.new_empty((*gate_up.shape[:-1], d))
+    lib.silu_mul_f32(rows.data_ptr(), rows.shape[0], d, rows.stride(0), out.data_ptr())
+    return out
 
 
 def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.layers.activation import silu_and_mul
 from minisgl_mp.layers.linear import Linear
 
@@ -15,6 +16,16 @@ class GatedMLP(nn.Module):
         # Fused gate|up projection: rows [0, I) are gate, [I, 2I) are up.
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.cpu_kernels = False
+
+    def enable_cpu_kernels(self) -> bool:
+        """SwiGLU as one C pass (float32 on the CPU): PyTorch's takes three passes over the
+        [tokens, 2 * intermediate] projection, a tenth of a long prefill."""
+        self.cpu_kernels = self.gate_up_proj.weight.device.type == "cpu" and cpu_kernels.load() is not None
+        return self.cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels and gate_up.dtype == torch.float32:
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))

@@ -163,7 +163,7 @@ class Scheduler:
         ratio = config.mixed_step_ratio
         if ratio is None:
             ratio = CPU_MIXED_STEP_RATIO if self.device.type == "cpu" else 0.0
-        self.prefill_budget = MixedPrefillBudget(ratio, config.max_prefill_tokens)
+        self.prefill_budget = MixedPrefillBudget(ratio, config.prefill_chunk(self.device.type))
         self._prefill_rounds = 0  # calls of _schedule_prefill: the clock of Req.wait_start_round
         self._pending_outputs: list[ReqOutput] = []
         self.faults = faults or FaultPlan()
@@ -703,6 +703,7 @@ class Scheduler:
         return {
             **self.kv.stats(),
             "running": len(self.running), "waiting": len(self.waiting),
+            "max_prefill_tokens": self.prefill_budget.max_tokens,
             "grammar_waiting": len(self.grammar_queue),
             "grammar_cached": self.grammar.num_cached if self.grammar else 0,
             "grammar_cache_hits": self.grammar.cache_hits if self.grammar else 0,

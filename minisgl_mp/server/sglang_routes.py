@@ -63,7 +63,7 @@ def add_sglang_routes(api: APIRouter, config: ServerConfig, manager: TokenizerMa
             "tokenizer_path": model.tokenizer_dir, "context_length": model.context_len,
             "tp_size": 1, "dp_size": server.dp_size, "page_size": engine.page_size,
             "max_running_requests": engine.max_running_requests,
-            "chunked_prefill_size": engine.max_prefill_tokens, "schedule_policy": engine.schedule_policy,
+            "chunked_prefill_size": stats.get("dp_ranks", [stats])[0].get("max_prefill_tokens"),  # (per replica) "schedule_policy": engine.schedule_policy,
             "disable_radix_cache": engine.cache_type != "radix", "host": server.host, "port": server.port,
             "tool_call_parser": server.tool_call_parser, "reasoning_parser": server.reasoning_parser,
             "max_total_num_tokens": stats.get("total_tokens"),

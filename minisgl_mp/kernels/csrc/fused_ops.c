@@ -4,10 +4,14 @@
  *   add_rmsnorm_f32   x += residual (optional), out = RMSNorm(x) * w
  *   qk_norm_rope_f32  per-head RMSNorm of q and k (optional weights), then rotary embedding,
  *                     read from the fused qkv projection and written contiguous.
+ *   silu_mul_f32      SwiGLU: silu(gate) * up from the fused gate/up projection.
  * The arithmetic follows the PyTorch path (transformers' order): mean of squares, times
  * 1/sqrt(mean + eps), times the weight; rotate-half RoPE with a [pos, 2, d] cos/sin table.
  */
 #include <math.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 
 static inline float inv_rms(const float *x, int64_t n, float eps) {
@@ -65,4 +69,73 @@ void qk_norm_rope_f32(const float *qkv, int64_t tokens, int64_t row_stride, int6
         else
             head_norm_rope(x, k_w, eps, cs, d, k_out + (t * hkv + (h - hq)) * d);
     }
+}
+
+/* silu(g) * u = g * u / (1 + e^-g). e^x for x in [-87, 88] (clamped), within ~2 ulp: Cephes'
+ * polynomial after reducing by ln 2, then scaled by 2^n; in vector intrinsics where the CPU has
+ * them (the compiler does not vectorise libm's expf without -ffast-math, which this library must
+ * not be built with: see kernels/cpu.py). */
+#define EXP_POLY(P, R, FMA, SET)                                                                    \
+    P = FMA(SET(1.9875691500e-4f), R, SET(1.3981999507e-3f));                                       \
+    P = FMA(P, R, SET(8.3334519073e-3f));                                                           \
+    P = FMA(P, R, SET(4.1665795894e-2f));                                                           \
+    P = FMA(P, R, SET(1.6666665459e-1f));                                                           \
+    P = FMA(P, R, SET(5.0000001201e-1f));
+
+static inline float silu_mul_one(float g, float u) {
+    const float x = fminf(fmaxf(-g, -87.0f), 88.0f);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return g * u / (1.0f + ldexpf(p, (int)n));
+}
+
+static void silu_mul_row(const float *g, const float *u, float *o, int64_t d) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f), one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= d; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), lo), hi);
+        const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                              _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+        r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+        __m512 p;
+        EXP_POLY(p, r, _mm512_fmadd_ps, _mm512_set1_ps)
+        p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), one);
+        const __m512 e = _mm512_scalef_ps(p, n);
+        _mm512_storeu_ps(o + i, _mm512_div_ps(_mm512_mul_ps(gv, uv), _mm512_add_ps(one, e)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= d; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+        const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), lo), hi);
+        const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+        __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+        r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+        __m256 p;
+        EXP_POLY(p, r, _mm256_fmadd_ps, _mm256_set1_ps)
+        p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), one);
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_mul_ps(gv, uv), _mm256_add_ps(one, e)));
+    }
+#endif
+    for (; i < d; ++i) o[i] = silu_mul_one(g[i], u[i]);
+}
+
+/* SwiGLU over a fused gate/up projection: out[r, i] = silu(g) * u with g = gate_up[r, i],
+ * u = gate_up[r, d + i]. One pass instead of PyTorch's (silu over a strided half, then the
+ * product, each a pass over memory into a fresh tensor). */
+void silu_mul_f32(const float *gate_up, int64_t rows, int64_t d, int64_t row_stride, float *out) {
+#pragma omp parallel for schedule(static) if (rows * d >= 65536)
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate_up + r * row_stride, gate_up + r * row_stride + d, out + r * d, d);
 }
