@@ -97,6 +97,17 @@ def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert all(v > 0 for v in row["ratios"].values())
 
 
+def test_decode_steps_are_all_decodes_when_the_prompts_outgrow_a_prefill_chunk(tiny_model_dir: Path) -> None:
+    """8 x 1,000 prompt tokens are four 2,048-token chunks: the timed steps must still each
+    run every request (they all start decoding together)."""
+    from minisgl_mp import LLM
+    from minisgl_mp.bench.decode_floor import engine_decode_steps
+
+    llm = LLM(str(tiny_model_dir), device="cpu", num_pages=9000, max_prefill_tokens=2048)
+    times = engine_decode_steps(llm, 8, 1000, steps=3, warmup=1, token_range=1000, seed=0, progress=False)
+    assert len(times) == 3 and llm.scheduler.prefill_budget.max_tokens == 2048
+
+
 def test_offline_prefill_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "prefill.json"
     assert load_tool("bench_offline").main([

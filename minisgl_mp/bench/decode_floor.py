@@ -98,11 +98,12 @@ def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: 
     rids = [f"floor-{batch}-{i}" for i in range(batch)]
     for rid in rids:
         sched.add_request(rid, torch.randint(token_range, (context,), generator=gen).tolist(), params)
-    # The prompts go in as fast as --max-prefill-tokens allows, not at the pace the mixed-step
-    # budget sets beside decodes: requests that start decoding steps apart would finish steps
-    # apart, and the timed steps would not all be `batch` decodes.
+    # The prompts go in together, in as few steps as memory allows, not at the pace the
+    # mixed-step budget or the prefill chunk sets beside decodes: requests that start decoding
+    # steps apart would finish steps apart, and the timed steps would not all be `batch` decodes.
     budget = sched.prefill_budget
     ratio, budget.ratio = budget.ratio, None
+    chunk, budget.max_tokens = budget.max_tokens, max(budget.max_tokens, batch * context)
     try:
         while sched.waiting or any(not r.is_decoding for r in sched.running):
             sched.step()
@@ -121,7 +122,7 @@ def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: 
                     f"{prefilled} prefill tokens (retracted? give the KV pool more pages)")
         return times
     finally:
-        budget.ratio = ratio
+        budget.ratio, budget.max_tokens = ratio, chunk
         for rid in rids:
             sched.abort(rid)
         while sched.has_work:
