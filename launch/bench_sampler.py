@@ -12,13 +12,13 @@ transformers warpers take one value for the whole batch. Times are the best of `
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any, Callable
 
 import torch
 from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from minisgl_mp.bench.decode_floor import best_seconds
 from minisgl_mp.bench.report import machine_info, write_json
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.scheduler.req import Req
@@ -69,13 +69,7 @@ def engine_sampler(case: dict[str, Any], history: torch.Tensor, vocab: int) -> C
 
 
 def best_ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return 1e3 * min(best_seconds(fn, reps))
 
 
 def main() -> None:

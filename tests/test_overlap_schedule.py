@@ -21,6 +21,7 @@ from minisgl_mp import LLM, SamplingParams
 from minisgl_mp.engine.builder import build_scheduler
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.scheduler.faults import FaultPlan
+from test_engine import assert_no_leak as assert_engine_no_leak
 
 PROMPTS = [[7], [300, 301, 302], list(range(1000, 1090)), [42] * 9, list(range(50, 75)), [5, 6, 7, 8]]
 
@@ -48,11 +49,7 @@ def overlapped(tiny_model_dir: Path) -> LLM:
 
 
 def assert_no_leak(llm: LLM) -> None:
-    llm.scheduler.check_health()
-    s = llm.scheduler.engine_stats()
-    assert s["running"] == s["waiting"] == 0
-    assert s["protected_tokens"] == 0, f"idle but {s['protected_tokens']} cached tokens are locked"
-    assert s["free_tokens"] + s["evictable_tokens"] == s["total_tokens"], f"KV pages leaked: {s}"
+    assert_engine_no_leak(llm)
     assert llm.scheduler._inflight is None
 
 
