@@ -200,3 +200,23 @@ def test_a_backlog_of_prompts_is_let_in_within_a_few_steps() -> None:
     assert b.tokens(8, backlog=200) == 40
     assert b.tokens(8, backlog=4000) == 4000 // BACKLOG_STEPS
     assert b.tokens(8, backlog=10 ** 6) == 8192
+
+
+def test_a_burst_is_let_in_at_the_rate_of_its_peak_not_geometrically() -> None:
+    """The rate a backlog sets holds while it shrinks: a burst is in within about
+    BACKLOG_STEPS steps, not an eighth of what is left at each step (which leaves its last
+    prompts trickling in at the floor for dozens of steps). An empty backlog resets it."""
+    from minisgl_mp.scheduler.prefill_budget import BACKLOG_STEPS
+
+    b = MixedPrefillBudget(2.0, max_tokens=8192)
+    b.observe(0.05, 0, 100)  # 0.5 ms a token
+    b.observe(0.02, 8, 0)  # 20 ms decode step: 40 tokens by time
+    backlog, steps = 4096, 0
+    while backlog:
+        backlog -= min(backlog, b.tokens(8, backlog))
+        steps += 1
+    assert steps == BACKLOG_STEPS
+    assert b.to_dict()["backlog_drain_tokens"] == 4096 // BACKLOG_STEPS
+    assert b.tokens(8, backlog=0) == 40  # the backlog is gone: the time bound again
+    assert b.tokens(8, backlog=200) == 40 and b.to_dict()["backlog_drain_tokens"] == 25
+    assert b.tokens(8, backlog=8000) == 1000  # a larger backlog raises the rate

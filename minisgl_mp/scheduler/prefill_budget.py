@@ -30,7 +30,9 @@ MIN_MIXED_PREFILL_TOKENS = 32
 # The prompt tokens waiting (or part-prefilled) are let in within about this many steps, even
 # past the time bound: when prompts arrive faster than the bound admits them, the queue would
 # grow without limit (and each one's time to first token with it) while the decode batch,
-# starved of new requests, shrinks.
+# starved of new requests, shrinks. The rate a backlog sets holds until the backlog is gone:
+# an eighth of what is left at each step would let a burst in geometrically, its last prompts
+# in chunks at the floor for dozens of steps, each one's decode stream a step longer for it.
 BACKLOG_STEPS = 8
 # Steps each line is fitted to (the most recent ones of their kind).
 SAMPLES = 64
@@ -46,6 +48,7 @@ class MixedPrefillBudget:
         self._line: tuple[float, float] | None = None  # decode-only step = a + b * batch
         self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)  # (tokens, seconds added)
         self._prefill_line: tuple[float, float] | None = None  # added = fixed + token_s * tokens
+        self._drain = 0  # tokens a step lets in of the current backlog, whatever the time bound
 
     @property
     def token_s(self) -> float | None:
@@ -65,7 +68,14 @@ class MixedPrefillBudget:
 
     def tokens(self, num_decodes: int, backlog: int = 0) -> int:
         """The prefill budget of a step that runs `num_decodes` decodes, with `backlog` prompt
-        tokens waiting to be prefilled."""
+        tokens waiting to be prefilled. Called once per scheduled step: it keeps the backlog's
+        rate from one step to the next."""
+        # A larger backlog raises the rate; a shrinking one keeps it, so the backlog is in
+        # within BACKLOG_STEPS steps of its peak; an empty one resets it.
+        self._drain = max(self._drain, -(-backlog // BACKLOG_STEPS)) if backlog > 0 else 0
+        return self._bounded(num_decodes, min(self._drain, backlog))
+
+    def _bounded(self, num_decodes: int, drain: int) -> int:
         if not num_decodes or self.ratio is None or not self.token_s:
             return self.max_tokens
         step = self.decode_step_s(num_decodes)
@@ -73,7 +83,7 @@ class MixedPrefillBudget:
             return self.max_tokens
         fixed, token_s = self._prefill_line
         allowed = int(((self.ratio - 1.0) * step - fixed) / token_s)
-        return max(self.min_tokens, min(self.max_tokens, max(allowed, -(-backlog // BACKLOG_STEPS))))
+        return max(self.min_tokens, min(self.max_tokens, max(allowed, drain)))
 
     def observe(self, seconds: float, num_decodes: int, prefill_tokens: int) -> None:
         """One step's time, with how many decodes and prefill tokens it ran."""
@@ -97,7 +107,7 @@ class MixedPrefillBudget:
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {"ratio": self.ratio, "decode_line_s": self._line, "prefill_line_s": self._prefill_line,
-                "tokens_with_one_decode": self.tokens(1)}
+                "tokens_with_one_decode": self._bounded(1, 0), "backlog_drain_tokens": self._drain}
 
 
 def _fit_line(samples: deque[tuple[int, float]]) -> tuple[float, float]:
