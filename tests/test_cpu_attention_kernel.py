@@ -24,8 +24,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     return out.transpose(0, 1)
 
 
+# key_splits: None is the default (split only when requests are fewer than 2 x threads); the
+# others force a request's keys into that many ranges (of at least 64 keys) merged afterwards.
+@pytest.mark.parametrize("key_splits", [None, 1, 3, 8])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 128), (16, 8, 128), (6, 1, 32)])
-def test_kernel_matches_sdpa(hq: int, hkv: int, d: int) -> None:
+def test_kernel_matches_sdpa(hq: int, hkv: int, d: int, key_splits: int | None) -> None:
     gen = torch.Generator().manual_seed(hq * 100 + d)
     slots_total = 5000
     k = torch.randn(slots_total, hkv, d, generator=gen)
@@ -37,14 +40,39 @@ def test_kernel_matches_sdpa(hq: int, hkv: int, d: int) -> None:
     q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
     q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3  # peaky softmax too
     out = torch.full_like(q, float("nan"))
-    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5)
+    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5,
+                               key_splits)
     for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
         rows = slice(int(q_start[b]), int(q_start[b]) + nq)
         torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("q_len", [1, 5, KERNEL_MAX_QUERY])
+@pytest.mark.parametrize("kv_len", [1, 64, 130, 257, 1500])
+def test_one_request_split_over_its_keys_matches_sdpa(kv_len: int, q_len: int) -> None:
+    """One request (a batch-1 decode or an extend) is split over the threads by key ranges,
+    each range's partial softmax merged afterwards: every range size and edge must match,
+    including ranges that an extend's early rows see none of."""
+    if q_len > kv_len:
+        pytest.skip("an extend cannot be longer than its context")
+    hq, hkv, d = 16, 8, 128
+    gen = torch.Generator().manual_seed(kv_len * 7 + q_len)
+    k = torch.randn(2000, hkv, d, generator=gen)
+    v = torch.randn(2000, hkv, d, generator=gen)
+    kv_index = torch.randperm(2000, generator=gen)[:kv_len][None]
+    q = torch.randn(q_len, hq, d, generator=gen) * 3
+    want = reference(q, k, v, kv_index[0], q_len)
+    for splits in (None, 2, 4, 7):
+        out = torch.full_like(q, float("nan"))
+        cpu_kernel.paged_attention(q, k, v, kv_index, torch.tensor([0]), torch.tensor([q_len]),
+                                   torch.tensor([kv_len]), out, d**-0.5, splits)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key_splits", [None, 4])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (6, 1, 40)])
-def test_kernel_reads_a_bfloat16_pool_like_sdpa_on_the_widened_values(hq: int, hkv: int, d: int) -> None:
+def test_kernel_reads_a_bfloat16_pool_like_sdpa_on_the_widened_values(hq: int, hkv: int, d: int,
+                                                                       key_splits: int | None) -> None:
     """With --kv-cache-dtype bfloat16 the kernel widens K/V on load: it must agree with float32
     attention over the same (bfloat16-rounded) values, on the vector path and the scalar one."""
     gen = torch.Generator().manual_seed(7)
@@ -55,7 +83,8 @@ def test_kernel_reads_a_bfloat16_pool_like_sdpa_on_the_widened_values(hq: int, h
     q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
     q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
     out = torch.full_like(q, float("nan"))
-    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5)
+    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5,
+                               key_splits)
     for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
         rows = slice(int(q_start[b]), int(q_start[b]) + nq)
         want = reference(q[rows], k.float(), v.float(), kv_index[b, :nk], nq)
@@ -93,7 +122,8 @@ def test_long_context_decode_beside_an_extend_in_bounded_scratch() -> None:
     q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
     q = torch.randn(sum(q_lens), hq, d, generator=gen) * 4  # peaky: the running max moves
     out = torch.full_like(q, float("nan"))
-    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5)
+    cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5,
+                               key_splits=4)
     for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
         rows = slice(int(q_start[b]), int(q_start[b]) + nq)
         torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)

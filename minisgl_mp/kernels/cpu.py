@@ -133,12 +133,13 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
-                    scale: float) -> None:
+                    scale: float, key_splits: int | None = None) -> None:
     """out[rows of each request] = causal attention of its query rows over its paged KV.
 
     q, out: [T, Hq, D] float32; k, v: [S, Hkv, D] (one layer), float32 or bfloat16 (widened
     on load); kv_index: [B, stride] int64; q_start, q_len, kv_len: [B] int64. All contiguous,
-    on the CPU.
+    on the CPU. key_splits: the most key ranges a request is split into over threads (default:
+    enough to give every thread two work items).
     """
     lib = load()
     if lib is None:
@@ -155,15 +156,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     batch = q_start.numel()
-    # Split a request's kv heads over threads only when requests alone cannot keep them busy.
-    chunks = 1
-    while batch * chunks < 2 * torch.get_num_threads() and hkv % (chunks * 2) == 0:
-        chunks *= 2
+    if key_splits is None:
+        # Split a request's keys over threads only when requests alone cannot keep them busy
+        # (the kernel also keeps each range at 64 keys or more).
+        key_splits = 1
+        while batch * key_splits < 2 * torch.get_num_threads():
+            key_splits *= 2
     fn = lib.paged_attention_f32 if k.dtype == torch.float32 else lib.paged_attention_bf16kv
     rc = fn(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_index.data_ptr(), kv_index.shape[1],
         q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(),
-        batch, hq, hkv, d, scale, chunks)
+        batch, hq, hkv, d, scale, key_splits)
     if rc != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch space")
 

@@ -13,8 +13,8 @@
  *   q_len      [B]             query tokens of request b (its newest tokens)
  *   kv_len     [B]             tokens of request b with KV in the pool, queries included
  * Query i of request b sits at position kv_len - q_len + i and sees keys [0, that position].
- * Work is split over requests (and over kv heads when requests are few); the Hq / Hkv query
- * heads of a kv head share its reads.
+ * Work is split over requests (and over ranges of a request's keys when requests are few);
+ * the Hq / Hkv query heads of a kv head share its reads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -154,19 +154,39 @@ static inline void dot4x2(const float *restrict q0, const float *restrict q1, co
  * key of the longest context. */
 #define KEY_TILE 256
 
+/* Keys a split of a request's context gets at least: below it the merge costs more than the
+ * second thread's reads save. */
+#define MIN_SPLIT_KEYS 64
+
+/* The key ranges a request of nk keys is split into: at most key_splits, each of at least
+ * MIN_SPLIT_KEYS keys. */
+static inline int64_t request_splits(int64_t nk, int64_t key_splits) {
+    const int64_t most = nk / MIN_SPLIT_KEYS;
+    return key_splits < most ? key_splits : most > 1 ? most : 1;
+}
+
 static inline __attribute__((always_inline)) int attend(
     const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
     const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
-    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t head_chunks, const int bf16) {
+    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits, const int bf16) {
     const int64_t groups = hq / hkv;
-    /* A work item is (request, chunk of kv heads). With whole slot rows per item the reads of
-     * a request run along memory (a slot's heads are adjacent); chunks only split the heads
-     * when there are too few requests to keep every thread busy. */
-    const int64_t per_chunk = hkv / head_chunks;
+    /* A work item is (request, range of its keys), over every head: a slot's heads are
+     * adjacent, so an item's reads run along memory, and the query heads of a kv head share
+     * its loads. Requests are split by keys (up to key_splits ranges of MIN_SPLIT_KEYS or
+     * more) only when there are too few of them to keep every thread streaming: one core
+     * alone reads at about half the machine's rate. Split items leave an unnormalised partial
+     * (running max, sum, accumulator) that a second pass merges. */
+    if (key_splits < 1) key_splits = 1;
     int64_t max_rows = 0;
     for (int64_t b = 0; b < batch; ++b)
         if (q_len[b] > max_rows) max_rows = q_len[b];
-    max_rows *= per_chunk * groups;
+    max_rows *= hq;
+    float *part = NULL;  /* [batch, key_splits, max_rows, d + 2]: acc, then max and sum */
+    const int64_t part_row = d + 2;
+    if (key_splits > 1) {
+        part = malloc(sizeof(float) * (size_t)(batch * key_splits * max_rows * part_row));
+        if (!part) return -1;
+    }
     int failed = 0;
 #pragma omp parallel
     {
@@ -185,14 +205,18 @@ static inline __attribute__((always_inline)) int attend(
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < batch * head_chunks; ++w) {
+        for (int64_t w = 0; w < batch * key_splits; ++w) {
             int stop;
 #pragma omp atomic read
             stop = failed;
             if (stop) continue;
-            const int64_t b = w / head_chunks, h0 = (w % head_chunks) * per_chunk;
+            const int64_t b = w / key_splits, split = w % key_splits, h0 = 0;
             const int64_t nq = q_len[b], nk = kv_len[b], first = nk - nq;
-            const int64_t qheads = per_chunk * groups;     /* query heads of this item */
+            const int64_t splits = request_splits(nk, key_splits);
+            if (split >= splits) continue;
+            const int64_t per_split = (nk + splits - 1) / splits;
+            const int64_t ks = split * per_split, ke = ks + per_split < nk ? ks + per_split : nk;
+            const int64_t qheads = hq;                     /* query heads of this item */
             const int64_t rows = nq * qheads;              /* row r = i * qheads + head */
             const int64_t *slots = kv_index + b * stride;
             const float *qb = q + (q_start[b] * hq + h0 * groups) * d;
@@ -201,8 +225,8 @@ static inline __attribute__((always_inline)) int attend(
                 run_max[r] = -INFINITY;
                 run_sum[r] = 0.0f;
             }
-            for (int64_t t0 = 0; t0 < nk; t0 += KEY_TILE) {
-                const int64_t t1 = t0 + KEY_TILE < nk ? t0 + KEY_TILE : nk;
+            for (int64_t t0 = ks; t0 < ke; t0 += KEY_TILE) {
+                const int64_t t1 = t0 + KEY_TILE < ke ? t0 + KEY_TILE : ke;
                 int64_t t = t0;
                 /* Blocks of four keys that every query row sees (all of a decode's keys). */
                 if (d % 16 == 0)
@@ -298,6 +322,15 @@ static inline __attribute__((always_inline)) int attend(
                     }
                 }
             }
+            if (splits > 1) {  /* the merge pass below finishes it */
+                float *pb = part + (b * key_splits + split) * max_rows * part_row;
+                for (int64_t r = 0; r < rows; ++r) {
+                    memcpy(pb + r * part_row, acc + r * d, sizeof(float) * (size_t)d);
+                    pb[r * part_row + d] = run_max[r];
+                    pb[r * part_row + d + 1] = run_sum[r];
+                }
+                continue;
+            }
             for (int64_t r = 0; r < rows; ++r) {
                 const float inv = 1.0f / run_sum[r];
                 float *a = acc + r * d;
@@ -308,6 +341,40 @@ static inline __attribute__((always_inline)) int attend(
                 memcpy(out + ((q_start[b] + i) * hq + h0 * groups) * d, acc + i * qheads * d,
                        sizeof(float) * (size_t)(qheads * d));
         }
+        if (part) {
+            /* Merge each split request's partials: weights exp(max_s - max) rescale each
+             * split's accumulator and sum to the common max. A split none of whose keys a row
+             * sees (an extend's row before the split's first key) has max -inf: weight 0. */
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t w = 0; w < batch * max_rows; ++w) {
+                const int64_t b = w / max_rows, r = w % max_rows;
+                const int64_t splits = request_splits(kv_len[b], key_splits);
+                if (stop || splits < 2 || r >= q_len[b] * hq) continue;
+                const float *pb = part + b * key_splits * max_rows * part_row + r * part_row;
+                float m = -INFINITY;
+                for (int64_t s = 0; s < splits; ++s) {
+                    const float ms = pb[s * max_rows * part_row + d];
+                    m = ms > m ? ms : m;
+                }
+                float sum = 0.0f;
+                float *o = out + q_start[b] * hq * d + r * d; /* row r = i * hq + head */
+                memset(o, 0, sizeof(float) * (size_t)d);
+                for (int64_t s = 0; s < splits; ++s) {
+                    const float *ps = pb + s * max_rows * part_row;
+                    if (ps[d] == -INFINITY) continue;
+                    const float wgt = exp_nonpos(ps[d] - m);
+                    sum += wgt * ps[d + 1];
+#pragma omp simd
+                    for (int64_t j = 0; j < d; ++j) o[j] += wgt * ps[j];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+            }
+        }
         free(scores);
         free(acc);
         free(run_max);
@@ -316,21 +383,22 @@ static inline __attribute__((always_inline)) int attend(
         _mm_setcsr(csr);
 #endif
     }
+    free(part);
     return failed ? -1 : 0;
 }
 
 int paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *kv_index,
                         int64_t stride, const int64_t *q_start, const int64_t *q_len,
                         const int64_t *kv_len, float *out, int64_t batch, int64_t hq, int64_t hkv,
-                        int64_t d, float scale, int64_t head_chunks) {
+                        int64_t d, float scale, int64_t key_splits) {
     return attend(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
-                  head_chunks, 0);
+                  key_splits, 0);
 }
 
 int paged_attention_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
                            const int64_t *kv_index, int64_t stride, const int64_t *q_start,
                            const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
-                           int64_t hq, int64_t hkv, int64_t d, float scale, int64_t head_chunks) {
+                           int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits) {
     return attend(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
-                  head_chunks, 1);
+                  key_splits, 1);
 }
