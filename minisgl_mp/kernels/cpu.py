@@ -235,25 +235,42 @@ def weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     """x [M, K] float32 @ weight [N, K]^T -> [M, N] float32, weight float32, float16, bfloat16
     or int8 (then times `scale` [N], its per-output-channel float32 scale), plus `bias` [N]
     float32. All contiguous, on the CPU. Bound by the weight bytes for small M."""
-    lib = load(isa)
-    if lib is None:
-        raise RuntimeError("the CPU product kernel is not available")
-    fmt = WEIGHT_FORMATS.get(weight.dtype)
-    if fmt is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
-        raise ValueError(f"weight must be a contiguous 2-D CPU tensor in {list(WEIGHT_FORMATS)}, got {weight.dtype}")
-    if x.dim() != 2 or x.shape[1] != weight.shape[1] or not _fused_ok(x):
-        raise ValueError(f"x must be contiguous float32 [M, {weight.shape[1]}], got {x.dtype} {tuple(x.shape)}")
-    n = weight.shape[0]
-    if (scale is not None) != (weight.dtype == torch.int8):
-        raise ValueError("scale is given exactly when the weight is int8")
-    for name, t in (("scale", scale), ("bias", bias)):
-        if t is not None and (t.shape != (n,) or not _fused_ok(t)):
-            raise ValueError(f"{name} must be contiguous float32 [{n}]")
-    y = x.new_empty((x.shape[0], n))
-    lib.weight_gemm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), fmt,
-                    None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                    y.data_ptr(), n, n)
-    return y
+    return StoredWeight(weight, scale, bias, isa).matmul(x)
+
+
+class StoredWeight:
+    """A weight in one of WEIGHT_FORMATS (with its int8 scale and its bias) checked once, for
+    the product kernel of csrc/weight_gemm.c: `Linear` calls it a hundred times a decode step,
+    so each call checks only x."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> None:
+        self._lib = lib = load(isa)
+        if lib is None:
+            raise RuntimeError("the CPU product kernel is not available")
+        fmt = WEIGHT_FORMATS.get(weight.dtype)
+        if fmt is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+            raise ValueError(f"weight must be a contiguous 2-D CPU tensor in {list(WEIGHT_FORMATS)}, got {weight.dtype}")
+        n = weight.shape[0]
+        if (scale is not None) != (weight.dtype == torch.int8):
+            raise ValueError("scale is given exactly when the weight is int8")
+        for name, t in (("scale", scale), ("bias", bias)):
+            if t is not None and (t.shape != (n,) or not _fused_ok(t)):
+                raise ValueError(f"{name} must be contiguous float32 [{n}]")
+        self.weight, self.scale, self.bias, self.fmt = weight, scale, bias, fmt
+        self.out_features, self.in_features = weight.shape
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32, contiguous, on the CPU -> [M, N] float32."""
+        n, k = self.out_features, self.in_features
+        if x.dim() != 2 or x.shape[1] != k or not _fused_ok(x):
+            raise ValueError(f"x must be contiguous float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+        y = x.new_empty((x.shape[0], n))
+        scale, bias = self.scale, self.bias
+        self._lib.weight_gemm(x.data_ptr(), x.shape[0], k, self.weight.data_ptr(), self.fmt,
+                              None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), n, n)
+        return y
 
 
 class PackedWeight:

@@ -48,6 +48,7 @@ class Linear(nn.Module):
         self.weight_scale: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
         self.panels: cpu_kernels.PackedWeight | None = None
+        self.stored: cpu_kernels.StoredWeight | None = None
         self.cpu_gemm = False
 
     def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -61,6 +62,7 @@ class Linear(nn.Module):
         self.weight_scale = None if scale is None else scale.float().contiguous()
         self.packed_weight = None
         self.panels = None
+        self.stored = None
         self.cpu_gemm = False
 
     def prepack(self) -> bool:
@@ -79,6 +81,9 @@ class Linear(nn.Module):
                          and cpu_kernels.load() is not None)
         self.panels = (cpu_kernels.PackedWeight(self.weight.data)
                        if self.cpu_gemm and self.weight.dtype == torch.float32 else None)
+        self.stored = (cpu_kernels.StoredWeight(self.weight.data, self.weight_scale,
+                                                None if self.bias is None else self.bias.data)
+                       if self.cpu_gemm else None)
         return self.cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +95,7 @@ class Linear(nn.Module):
             return y.view(*shape[:-1], self.out_features)
         stored = self.weight.dtype != x.dtype
         if self.cpu_gemm and stored and x.dtype == torch.float32 and rows < self.DENSE_MIN_ROWS:
-            y = cpu_kernels.weight_gemm(x.reshape(rows, shape[-1]).contiguous(), self.weight, self.weight_scale, self.bias)
+            y = self.stored.matmul(x.reshape(rows, shape[-1]).contiguous())
             return y.view(*shape[:-1], self.out_features)
         if self.packed_weight is not None and rows >= self.PACKED_MIN_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(
