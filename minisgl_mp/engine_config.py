@@ -56,6 +56,7 @@ class EngineConfig:
     cpu_prepack: bool = field(default=True, metadata=_help("on CPU, prepack float32 linear weights for oneDNN (one more weight copy), for batches past 256 rows"))
     cpu_fused_ops: bool = field(default=True, metadata=_help("on CPU (float32), C kernels for the add+RMSNorm and q/k norm+RoPE steps of each layer (built on first use; PyTorch fallback)"))
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
+    cpu_keep_freed_memory: bool = field(default=True, metadata=_help("on CPU (Linux, glibc), keep freed memory in the process's heap for reuse rather than unmapping large blocks, so each step's large tensors do not page-fault in again; the process keeps its peak memory"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
     # Structured output
     grammar_backend: str = field(default="auto", metadata=_help("grammar engine for json_schema / regex / ebnf / response_format: xgrammar, none (such requests are refused), auto (xgrammar when installed)"))

@@ -22,6 +22,7 @@ from minisgl_mp.scheduler.faults import FaultPlan
 from minisgl_mp.scheduler.req import Req
 from minisgl_mp.scheduler.scheduler import Scheduler
 from minisgl_mp.utils.device import resolve_device, resolve_weight_dtypes
+from minisgl_mp.utils.memory import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ def build_scheduler(config: EngineConfig, progress: bool = True, faults: FaultPl
     parts, tokenizer = resolve_engine(config)
     logger.info("model %s on %s in %s (weights %s), context length %d", parts.source.name, parts.device,
                 parts.dtype, parts.weight_dtype, parts.context_len)
+    if parts.device.type == "cpu" and config.cpu_keep_freed_memory and not keep_freed_memory():
+        logger.info("malloc settings not changed (not glibc): large tensors may page-fault in each step")
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
                          parts.context_len, progress=progress, weight_dtype=parts.weight_dtype, tp=tp)
     make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
