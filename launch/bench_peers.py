@@ -49,7 +49,9 @@ from minisgl_mp.bench.workloads import LengthRange, random_workload
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float16"},
-                   "bfloat16": {"dtype": "bfloat16"}, "int8": {"dtype": "float32", "quantization": "int8"}}
+                   "bfloat16": {"dtype": "bfloat16"}, "int8": {"dtype": "float32", "quantization": "int8"},
+                   # glibc's malloc as it comes: large blocks unmapped on free (docs/benchmarks.md s.18)
+                   "float32-malloc-default": {"dtype": "float32", "cpu_keep_freed_memory": False}}
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 MEASURES = ("fixed", "prefill", "decode")
 BASELINE = "engine"  # ratios are each system's figure over this one's
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="threads each system gets")
     p.add_argument("--systems", type=csv(("engine", "vllm", "llama")), default=["engine", "vllm", "llama"])
     p.add_argument("--engine-variants", type=csv(ENGINE_VARIANTS), default=["float32"],
-                   help="engine weight formats: float32 (the baseline, always first), float16, bfloat16, int8")
+                   help="engine weight formats: float32 (the baseline, always first), float16, bfloat16, int8; "
+                        "float32-malloc-default (float32 with --no-cpu-keep-freed-memory)")
     p.add_argument("--gguf-types", type=csv(GGUF_TYPES), default=["f32", "f16", "q8_0"],
                    help="llama.cpp weight formats (f32 is the float32 peer)")
     p.add_argument("--num-prompts", type=int, default=32)
