@@ -83,7 +83,7 @@ class Linear(nn.Module):
                        if self.cpu_gemm and self.weight.dtype == torch.float32 else None)
         self.stored = (cpu_kernels.StoredWeight(self.weight.data, self.weight_scale,
                                                 None if self.bias is None else self.bias.data)
-                       if self.cpu_gemm else None)
+                       if self.cpu_gemm and self.weight.dtype != torch.float32 else None)
         return self.cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

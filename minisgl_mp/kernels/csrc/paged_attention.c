@@ -210,16 +210,15 @@ static inline __attribute__((always_inline)) int attend(
 #pragma omp atomic read
             stop = failed;
             if (stop) continue;
-            const int64_t b = w / key_splits, split = w % key_splits, h0 = 0;
+            const int64_t b = w / key_splits, split = w % key_splits;
             const int64_t nq = q_len[b], nk = kv_len[b], first = nk - nq;
             const int64_t splits = request_splits(nk, key_splits);
             if (split >= splits) continue;
             const int64_t per_split = (nk + splits - 1) / splits;
             const int64_t ks = split * per_split, ke = ks + per_split < nk ? ks + per_split : nk;
-            const int64_t qheads = hq;                     /* query heads of this item */
-            const int64_t rows = nq * qheads;              /* row r = i * qheads + head */
+            const int64_t rows = nq * hq;                  /* row r = i * hq + head */
             const int64_t *slots = kv_index + b * stride;
-            const float *qb = q + (q_start[b] * hq + h0 * groups) * d;
+            const float *qb = q + q_start[b] * hq * d;
             memset(acc, 0, sizeof(float) * (size_t)(rows * d));
             for (int64_t r = 0; r < rows; ++r) {
                 run_max[r] = -INFINITY;
@@ -231,44 +230,44 @@ static inline __attribute__((always_inline)) int attend(
                 /* Blocks of four keys that every query row sees (all of a decode's keys). */
                 if (d % 16 == 0)
                     for (; t + 4 <= first + 1 && t + 4 <= t1; t += 4) {
-                        const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
-                        const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
+                        const int64_t o0 = slots[t] * hkv * d, o1 = slots[t + 1] * hkv * d;
+                        const int64_t o2 = slots[t + 2] * hkv * d, o3 = slots[t + 3] * hkv * d;
                         for (int64_t i = 0; i < nq; ++i) {
                             int64_t qh = 0;
                             if (groups % 2 == 0) /* query heads in pairs of one kv head */
-                                for (; qh < qheads; qh += 2) {
+                                for (; qh < hq; qh += 2) {
                                     const int64_t off = (qh / groups) * d;
                                     float s0[4], s1[4];
                                     dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k, o0 + off,
                                            o1 + off, o2 + off, o3 + off, d, bf16, s0, s1);
-                                    float *row0 = scores + (i * qheads + qh) * KEY_TILE + (t - t0);
+                                    float *row0 = scores + (i * hq + qh) * KEY_TILE + (t - t0);
                                     float *row1 = row0 + KEY_TILE;
                                     for (int c = 0; c < 4; ++c) {
                                         row0[c] = s0[c] * scale;
                                         row1[c] = s1[c] * scale;
                                     }
                                 }
-                            for (; qh < qheads; ++qh) {
+                            for (; qh < hq; ++qh) {
                                 const int64_t off = (qh / groups) * d;
                                 float sc[4];
                                 dot4(qb + (i * hq + qh) * d, k, o0 + off, o1 + off, o2 + off, o3 + off, d, bf16,
                                      sc);
-                                float *row = scores + (i * qheads + qh) * KEY_TILE + (t - t0);
+                                float *row = scores + (i * hq + qh) * KEY_TILE + (t - t0);
                                 for (int c = 0; c < 4; ++c) row[c] = sc[c] * scale;
                             }
                         }
                     }
                 for (; t < t1; ++t) {
-                    const int64_t kr = (slots[t] * hkv + h0) * d;
+                    const int64_t kr = slots[t] * hkv * d;
                     const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
                     for (int64_t i = i0; i < nq; ++i)
-                        for (int64_t qh = 0; qh < qheads; ++qh)
-                            scores[(i * qheads + qh) * KEY_TILE + (t - t0)] =
+                        for (int64_t qh = 0; qh < hq; ++qh)
+                            scores[(i * hq + qh) * KEY_TILE + (t - t0)] =
                                 dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
                 }
                 /* Online softmax over this tile: new max, rescale what was accumulated. */
                 for (int64_t r = 0; r < rows; ++r) {
-                    const int64_t seen = first + r / qheads + 1 - t0; /* keys of the tile row r sees */
+                    const int64_t seen = first + r / hq + 1 - t0; /* keys of the tile row r sees */
                     if (seen <= 0) continue;
                     const int64_t n = seen < t1 - t0 ? seen : t1 - t0;
                     float *s = scores + r * KEY_TILE;
@@ -295,11 +294,11 @@ static inline __attribute__((always_inline)) int attend(
                  * accumulator chunk is loaded and stored once per four tokens, not once per token. */
                 if (d % 16 == 0)
                     for (; t + 4 <= first + 1 && t + 4 <= t1; t += 4) {
-                        const int64_t o0 = (slots[t] * hkv + h0) * d, o1 = (slots[t + 1] * hkv + h0) * d;
-                        const int64_t o2 = (slots[t + 2] * hkv + h0) * d, o3 = (slots[t + 3] * hkv + h0) * d;
+                        const int64_t o0 = slots[t] * hkv * d, o1 = slots[t + 1] * hkv * d;
+                        const int64_t o2 = slots[t + 2] * hkv * d, o3 = slots[t + 3] * hkv * d;
                         for (int64_t r = 0; r < rows; ++r) {
                             const float *p = scores + r * KEY_TILE + (t - t0);
-                            const int64_t off = ((r % qheads) / groups) * d;
+                            const int64_t off = ((r % hq) / groups) * d;
                             float *a = acc + r * d;
                             for (int64_t j = 0; j < d; j += 16) {
                                 const vf16 x = load16(a + j) + p[0] * kv_load16(v, o0 + off + j, bf16) +
@@ -311,11 +310,11 @@ static inline __attribute__((always_inline)) int attend(
                         }
                     }
                 for (; t < t1; ++t) {
-                    const int64_t vr = (slots[t] * hkv + h0) * d;
+                    const int64_t vr = slots[t] * hkv * d;
                     const int64_t i0 = t > first ? t - first : 0;
-                    for (int64_t r = i0 * qheads; r < rows; ++r) {
+                    for (int64_t r = i0 * hq; r < rows; ++r) {
                         const float p = scores[r * KEY_TILE + (t - t0)];
-                        const int64_t vh = vr + ((r % qheads) / groups) * d;
+                        const int64_t vh = vr + ((r % hq) / groups) * d;
                         float *a = acc + r * d;
 #pragma omp simd
                         for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
@@ -338,8 +337,7 @@ static inline __attribute__((always_inline)) int attend(
                 for (int64_t j = 0; j < d; ++j) a[j] *= inv;
             }
             for (int64_t i = 0; i < nq; ++i)
-                memcpy(out + ((q_start[b] + i) * hq + h0 * groups) * d, acc + i * qheads * d,
-                       sizeof(float) * (size_t)(qheads * d));
+                memcpy(out + (q_start[b] + i) * hq * d, acc + i * hq * d, sizeof(float) * (size_t)(hq * d));
         }
         if (part) {
             /* Merge each split request's partials: weights exp(max_s - max) rescale each
