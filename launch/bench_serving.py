@@ -194,10 +194,15 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
                 max_concurrency: int) -> tuple[dict[str, Any], Workload]:
     """The launched server's engine, in-process, on the same requests: (result, workload).
     Its running requests are capped at the server run's concurrency, so the two differ only by
-    the processes, sockets, tokenizer and detokenizer between client and scheduler."""
+    the processes, sockets, tokenizer and detokenizer between client and scheduler. The
+    engine is freed and its heap handed back before returning: the server starts in the
+    memory this process leaves, and sizes its KV pool from it by default."""
+    import gc
+
     from minisgl_mp.bench.runs import run_engine
     from minisgl_mp.launch import parse_args
     from minisgl_mp.llm import LLM
+    from minisgl_mp.utils.memory import release_freed_memory
 
     engine, _ = parse_args(["--model", args.launch, *server_flags(args)])
     engine = dataclasses.replace(engine, max_running_requests=min(engine.max_running_requests, max_concurrency))
@@ -210,7 +215,13 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
     result = run_engine(llm, workload, token_range, "offline engine", args.progress).to_dict()
     cores = meter.stop()["processes"]["benchmark client"]["cores"]
     print(f"  CPU cores busy: offline engine {cores:.2f}", flush=True)
-    return {**result, "max_running_requests": engine.max_running_requests, "cpu_cores_busy": cores}, workload
+    kv_pages = llm.scheduler.runner.num_pages
+    llm.shutdown()
+    del llm
+    gc.collect()
+    release_freed_memory()
+    return {**result, "max_running_requests": engine.max_running_requests, "cpu_cores_busy": cores,
+            "kv_pages": kv_pages}, workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         report["workload"] = {"name": workload.name, **workload.params, "requests": workload.num_requests}
         if args.launch:
             print(f"starting the server on {args.launch} (log: {args.server_log})", flush=True)
-            server = launch_server(args.launch, server_flags(args), args.server_log)
+            flags = server_flags(args)
+            if args.compare_offline and not {"--num-pages", "--kv-cache-gb"} & set(flags):
+                # The same KV pool as the offline engine's: a default pool is sized from the
+                # memory free at start, which differs between the two, and a smaller pool
+                # runs fewer requests at once.
+                flags += ["--num-pages", str(report["offline"]["kv_pages"])]
+            report["server_flags"] = flags
+            server = launch_server(args.launch, flags, args.server_log)
         backend = make_backend(args, server, tokenizer)
 
         async def go() -> list[dict[str, Any]]:

@@ -180,6 +180,11 @@ def test_compare_offline_over_openai_http(tiny_model_dir: Path, tmp_path: Path) 
     assert report["offline"]["output_tokens"] == run["output_tokens"]
     assert report["offline"]["max_running_requests"] == 4
     assert report["server_over_offline_output_tps"] > 0
+    # The server runs with the offline engine's KV pool: a default pool is sized from the
+    # memory free when it starts, which the offline run has just changed.
+    pages = report["offline"]["kv_pages"]
+    assert report["server_flags"][-2:] == ["--num-pages", str(pages)]
+    assert f"KV pool: {pages} tokens" in (tmp_path / "server.log").read_text()
 
 
 def test_py_spy_summary_and_process_discovery(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minisgl_mp.engine_config import EngineConfig
-from minisgl_mp.utils.memory import keep_freed_memory
+from minisgl_mp.utils.memory import keep_freed_memory, release_freed_memory
 
 glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
@@ -33,6 +33,16 @@ def test_a_large_tensor_reuses_its_pages_once_freed_memory_is_kept() -> None:
     pages = (96 << 20) // 4096
     # Past glibc's 32 MiB mmap ceiling this was a fresh mapping each time: ~24,600 faults.
     assert _faults_of_one_step(96) < pages // 10
+
+
+@pytest.mark.skipif(not glibc, reason="the settings are glibc's")
+def test_kept_memory_goes_back_to_the_system_when_released() -> None:
+    """A process done with its engine (bench_serving's offline run, before it starts a server
+    beside it) hands the kept pages back: touching them again faults them in anew."""
+    assert keep_freed_memory()
+    _faults_of_one_step(96)
+    assert release_freed_memory()
+    assert _faults_of_one_step(96) > (96 << 20) // 4096 // 2
 
 
 def test_it_is_on_by_default_and_can_be_turned_off() -> None:

@@ -47,3 +47,15 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl has neither the soname nor mallopt)
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim), for a process that
+    is done with a large engine it built under `keep_freed_memory` but goes on running (a
+    benchmark that starts a server next). Returns whether anything was released."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
