@@ -9,7 +9,9 @@
  * of x times a unit of UW output channels are held in vector accumulators for the whole of K;
  * each step along K loads the unit's UW weights (contiguous, thanks to the packing) and
  * broadcasts one x value per row. A unit's block of K stays in L2 while the row groups of x
- * pass over it, so W is read from memory once per call.
+ * pass over it, so W is read from memory once per call. Only the first row group's pass waits
+ * on memory; the later passes compute from L2, and they prefetch the thread's next unit into
+ * L2 as they go, so its first pass does not wait either (docs/benchmarks.md section 19).
  *
  * Packed layout (packed_gemm_pack): output channels in units of UW (the last one may be
  * narrower, in steps of 16, zero-padded past N); unit u holds K rows of its width,
@@ -19,6 +21,12 @@
  */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_num_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 #define PANEL 16 /* channel padding granule, and the widest vector */
 
@@ -96,8 +104,10 @@ static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
  * accumulators in registers. */
 static inline __attribute__((always_inline)) void micro(
     const float *x, int64_t ldx, int64_t k, const float *panel, int64_t width, const float *bias,
-    float *y, int64_t ldy, int ncols, int first, int last, const int R, const int V) {
+    float *y, int64_t ldy, int ncols, int first, int last, const char *pn, int64_t pn_lines, const int R,
+    const int V) {
     vf acc[MR][NV];
+    int64_t pn_acc = 0;
     for (int v = 0; v < V; ++v) {
         const int n = ncols - v * VL;
         for (int r = 0; r < R; ++r) acc[r][v] = first || n <= 0 ? VZERO() : vload_n(y + r * ldy + v * VL, n);
@@ -105,6 +115,8 @@ static inline __attribute__((always_inline)) void micro(
     for (int64_t i = 0; i < k; ++i) {
         const float *b = panel + i * width;
         for (int v = 0; v < V; ++v) __builtin_prefetch(b + PF * width + v * VL, 0, 3);
+        /* pn_lines cache lines of the next unit spread evenly over the k steps, into L2 */
+        for (pn_acc += pn_lines; pn_acc >= k; pn_acc -= k, pn += 64) __builtin_prefetch(pn, 0, 2);
         vf w[NV];
         for (int v = 0; v < V; ++v) w[v] = VLOAD(b + v * VL);
         for (int r = 0; r < R; ++r) {
@@ -121,13 +133,13 @@ static inline __attribute__((always_inline)) void micro(
 }
 
 typedef void (*micro_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, float *,
-                         int64_t, int, int, int);
+                         int64_t, int, int, int, const char *, int64_t);
 
 #define MICRO(R, V)                                                                                  \
     static void micro_##R##_##V(const float *x, int64_t ldx, int64_t k, const float *panel,          \
                                 int64_t width, const float *bias, float *y, int64_t ldy, int ncols,   \
-                                int first, int last) {                                               \
-        micro(x, ldx, k, panel, width, bias, y, ldy, ncols, first, last, R, V);                      \
+                                int first, int last, const char *pn, int64_t pn_lines) {             \
+        micro(x, ldx, k, panel, width, bias, y, ldy, ncols, first, last, pn, pn_lines, R, V);        \
     }
 
 /* Every (rows, vectors) pair the ISA can meet: rows 1..MR, vectors 1..NV (a narrow last unit). */
@@ -182,30 +194,49 @@ void packed_gemm_pack(const float *w, int64_t n, int64_t k, float *out) {
     }
 }
 
-/* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. Threads split the units (static
- * schedule: each streams one contiguous run of the packed weight). Blocking the rows as well
- * (x in L2 beside a unit) measured no faster up to 2,048 rows, so the rows are not blocked. */
+/* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. Threads split the units into
+ * contiguous runs: each streams one run of the packed weight, and knows its next unit. Blocking
+ * the rows as well (x in L2 beside a unit) measured no faster up to 2,048 rows, so the rows are
+ * not blocked. */
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                      const float *bias, float *y, int64_t ldy) {
     const int64_t units = (n + UW - 1) / UW;
-#pragma omp parallel for schedule(static) if (m * n * k >= 65536)
-    for (int64_t u = 0; u < units; ++u) {
-        const int64_t n0 = u * UW, width = unit_width(n, u);
-        const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
-        const float *panel = panels + n0 * k;
-        const float *bu = bias ? bias + n0 : NULL;
-        for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            const int64_t kc = k - k0 < KC ? k - k0 : KC;
-            const int first = k0 == 0, last = k0 + kc == k;
-            for (int64_t r = 0; r < m; r += MR) {
-                const int rows = (int)(m - r < MR ? m - r : MR);
-                const float *xb = x + r * ldx + k0, *pb = panel + k0 * width;
-                float *yb = y + r * ldy + n0;
+    const int64_t groups = (m + MR - 1) / MR;
+#pragma omp parallel if (m * n * k >= 65536)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t n0 = u * UW, width = unit_width(n, u);
+            const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
+            const float *panel = panels + n0 * k;
+            const float *bu = bias ? bias + n0 : NULL;
+            /* The thread's next unit, fetched into L2 by the passes of row groups 1.. over this
+             * one: group g takes its share of the lines, spread over the blocks of K. */
+            const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 4 / 64 : 0;
+            const int64_t share = groups > 1 ? (next_lines + groups - 2) / (groups - 1) : 0;
+            const char *next = (const char *)(panels + (n0 + UW) * k);
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                const int first = k0 == 0, last = k0 + kc == k;
+                for (int64_t r = 0, g = 0; r < m; r += MR, ++g) {
+                    const int rows = (int)(m - r < MR ? m - r : MR);
+                    const float *xb = x + r * ldx + k0, *pb = panel + k0 * width;
+                    float *yb = y + r * ldy + n0;
+                    int64_t lines = 0, start = 0;
+                    if (g > 0 && share > 0) {
+                        start = (g - 1) * share + share * k0 / k;
+                        const int64_t end = start + (share * kc + k - 1) / k;
+                        lines = (end < next_lines ? end : next_lines) - start;
+                        if (lines < 0) lines = 0;
+                    }
 #if VL == 1
-                micro_scalar(xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last, rows);
+                    micro_scalar(xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last, rows);
 #else
-                MICROS[width / VL - 1][rows - 1](xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last);
+                    MICROS[width / VL - 1][rows - 1](xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last,
+                                                     next + start * 64, lines);
 #endif
+                }
             }
         }
     }
