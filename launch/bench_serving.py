@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--warmup-requests", type=int, default=2, help="short untimed requests first")
     a.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     a.add_argument("--compare-offline", action="store_true", help="with --launch: the same requests through "
-                   "the offline engine in-process, then the server (rate inf); reports server/offline tok/s")
+                   "the offline engine in-process, then the server (rate inf, with the offline engine's KV pool "
+                   "unless --launch-args sizes it); reports server/offline tok/s")
     add_workload_args(p, ("random", "shared-prefix"))
     return p
 
