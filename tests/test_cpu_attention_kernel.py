@@ -1,6 +1,7 @@
-"""The C paged-attention kernel against PyTorch's scaled_dot_product_attention: decodes and
-short extends over scattered pool slots, grouped-query shapes, bad inputs. (The backend around
-it is tested against sdpa in test_attention_backends.py.)"""
+"""The C paged-attention kernels against PyTorch's scaled_dot_product_attention: decodes and
+short extends over scattered pool slots, grouped-query shapes, bad inputs; and the blocked
+kernel for long query runs (csrc/extend_attention.c) on every vector path this machine builds.
+(The backend around them is tested against sdpa in test_attention_backends.py.)"""
 
 from __future__ import annotations
 
@@ -125,3 +126,49 @@ def test_long_context_decode_beside_an_extend_in_bounded_scratch() -> None:
     for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
         rows = slice(int(q_start[b]), int(q_start[b]) + nq)
         torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)
+
+
+def _isas() -> list[str]:
+    isas = ["avx2", "scalar"]
+    if cpu_kernel.kernel_isa("native") == 512:
+        isas.insert(0, "native")
+    return isas
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (8, 2, 64), (4, 4, 32), (6, 1, 96)])
+def test_extend_kernel_matches_sdpa(isa: str, hq: int, hkv: int, d: int) -> None:
+    """Prompts and extends over a cached prefix, in one batch over scattered slots: lengths
+    around the kernel's query blocks (64) and key tiles (32 / 48), a one-token run, a prefix
+    longer than the run, and peaky scores (the running max moves between tiles)."""
+    if cpu_kernel.load(isa) is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    gen = torch.Generator().manual_seed(hq * 10 + d)
+    cached = [0, 0, 0, 5, 300, 0, 1000, 47]
+    q_lens = [17, 64, 65, 100, 40, 1, 129, 200]
+    kv_lens = [c + n for c, n in zip(cached, q_lens)]
+    slots_total = 4000
+    k = torch.randn(slots_total, hkv, d, generator=gen)
+    v = torch.randn(slots_total, hkv, d, generator=gen)
+    stride = max(kv_lens) + 3
+    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
+    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
+    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.extend_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out,
+                                d**-0.5, isa=isa)
+    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(int(q_start[b]), int(q_start[b]) + nq)
+        torch.testing.assert_close(out[rows], reference(q[rows], k, v, kv_index[b, :nk], nq), atol=2e-5, rtol=1e-4)
+
+
+def test_extend_kernel_refuses_what_it_cannot_take() -> None:
+    one = torch.ones(1, dtype=torch.int64)
+    idx = torch.zeros(1, 4, dtype=torch.int64)
+    q = torch.zeros(1, 2, 40)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernel.extend_attention(q, torch.zeros(4, 2, 40), torch.zeros(4, 2, 40), idx, one - 1, one, one, q, 1.0)
+    q = torch.zeros(1, 2, 32)
+    with pytest.raises(ValueError, match="float32"):
+        kv = torch.zeros(4, 2, 32).bfloat16()
+        cpu_kernel.extend_attention(q, kv, kv, idx, one - 1, one, one, q, 1.0)

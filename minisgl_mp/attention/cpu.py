@@ -1,10 +1,12 @@
 """The C paged-attention kernel for the CPU (`--attention-backend cpu`, the default there).
 
 Decodes and short extends (at most `KERNEL_MAX_QUERY` new tokens) go to the kernel, which reads K/V
-straight from the pool through the page table (no gathered copy); longer extends go to the
-`sdpa` backend, whose flash kernel blocks the query-key products and wins on long runs. The
-kernel takes a float32 model with a float32 or bfloat16 pool; `is_supported` says when it
-can run at all (CPU, those dtypes, the library built).
+straight from the pool through the page table (no gathered copy). Longer extends, up to
+`EXTEND_MAX_QUERY` tokens, go to its blocked form (csrc/extend_attention.c: query blocks against
+key tiles, float32 pools), which runs prompts of a few hundred tokens faster than PyTorch's flash
+kernel; the longest, and those over a bfloat16 pool, go to the `sdpa` backend. The kernels take a
+float32 model with a float32 or bfloat16 pool; `is_supported` says when they can run at all
+(CPU, those dtypes, the library built).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from minisgl_mp.kvcache.req_table import ReqTable
 # matrix-product blocking of SDPA's flash kernel. Set from the crossover measured against the
 # 4-D sdpa path (launch/bench_attention_crossover.py; docs/benchmarks.md, "Attention backends").
 KERNEL_MAX_QUERY = 16
+# Longer query runs, up to this many tokens, go to the blocked kernel; past it PyTorch's flash
+# kernel takes larger query blocks and is as fast (docs/benchmarks.md section 19).
+EXTEND_MAX_QUERY = 1024
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,8 @@ class KernelRun:
 class CpuMetadata:
     out_loc: torch.Tensor
     kernel: KernelRun | None
-    rest: SdpaPlan | None  # requests longer than the kernel takes
+    extend: KernelRun | None  # for the blocked kernel
+    rest: SdpaPlan | None  # requests longer than the kernels take
 
 
 def is_supported(pool: KVPool, dtype: torch.dtype) -> bool:
@@ -51,7 +57,8 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self, pool: KVPool, req_table: ReqTable, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype | None = None, max_query: int = KERNEL_MAX_QUERY) -> None:
+                 head_dim: int, dtype: torch.dtype | None = None, max_query: int = KERNEL_MAX_QUERY,
+                 extend_max_query: int = EXTEND_MAX_QUERY) -> None:
         self.pool = pool
         self.req_table = req_table
         self.dtype = dtype or pool.k.dtype
@@ -60,23 +67,31 @@ class CpuBackend(AttentionBackend):
                              "and the C kernel library (a C compiler); use --attention-backend sdpa")
         self.scale = head_dim**-0.5
         self.max_query = max_query
+        # The blocked kernel takes whole 32-wide chunks of a head and whole query groups.
+        self.extend_max_query = extend_max_query if head_dim % 32 == 0 and num_heads % num_kv_heads == 0 else 0
         self.sdpa = SdpaBackend(pool, req_table, num_heads, num_kv_heads, head_dim, dtype=self.dtype)
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
-        short = [i for i, n in enumerate(layout.extend_lens) if n <= self.max_query]
-        long = [i for i, n in enumerate(layout.extend_lens) if n > self.max_query]
-        kernel = None
-        if short:
-            starts, seq_lens = token_starts(layout.extend_lens), layout.seq_lens
-            rows = layout.req_slots[short] if len(short) < layout.batch_size else layout.req_slots
-            kernel = KernelRun(
-                kv_index=self.req_table.table[:, : max(seq_lens[i] for i in short)].index_select(0, rows),
-                q_start=torch.tensor([starts[i] for i in short]),
-                q_len=torch.tensor([layout.extend_lens[i] for i in short]),
-                kv_len=torch.tensor([seq_lens[i] for i in short]),
-            )
+        lens = layout.extend_lens
+        extend_max = self.extend_max_query if self.pool.k.dtype == torch.float32 else self.max_query
+        short = [i for i, n in enumerate(lens) if n <= self.max_query]
+        extend = [i for i, n in enumerate(lens) if self.max_query < n <= extend_max]
+        long = [i for i, n in enumerate(lens) if n > max(self.max_query, extend_max)]
+        starts = token_starts(lens) if short or extend else None
+        kernel = self._run(layout, short, starts) if short else None
+        extend_run = self._run(layout, extend, starts) if extend else None
         rest = self.sdpa.plan(layout, long) if long else None
-        return CpuMetadata(layout.out_loc, kernel, rest)
+        return CpuMetadata(layout.out_loc, kernel, extend_run, rest)
+
+    def _run(self, layout: BatchLayout, reqs: list[int], starts: list[int]) -> KernelRun:
+        seq_lens = layout.seq_lens
+        rows = layout.req_slots[reqs] if len(reqs) < layout.batch_size else layout.req_slots
+        return KernelRun(
+            kv_index=self.req_table.table[:, : max(seq_lens[i] for i in reqs)].index_select(0, rows),
+            q_start=torch.tensor([starts[i] for i in reqs]),
+            q_len=torch.tensor([layout.extend_lens[i] for i in reqs]),
+            kv_len=torch.tensor([seq_lens[i] for i in reqs]),
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 metadata: CpuMetadata) -> torch.Tensor:
@@ -87,6 +102,10 @@ class CpuBackend(AttentionBackend):
             run = metadata.kernel
             cpu_kernel.paged_attention(q, self.pool.k[layer_id], self.pool.v[layer_id], run.kv_index,
                                        run.q_start, run.q_len, run.kv_len, out, self.scale)
+        if metadata.extend is not None:
+            run = metadata.extend
+            cpu_kernel.extend_attention(q, self.pool.k[layer_id], self.pool.v[layer_id], run.kv_index,
+                                        run.q_start, run.q_len, run.kv_len, out, self.scale)
         if metadata.rest is not None:
             self.sdpa.attend(q, k, v, layer_id, metadata.rest, out)
         return out

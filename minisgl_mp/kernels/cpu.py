@@ -1,5 +1,6 @@
 """The C kernels for the CPU (csrc/*.c), built on first use, and their Python entry points:
-paged attention (csrc/paged_attention.c), the fused norm / rotary steps of a decoder layer
+paged attention (csrc/paged_attention.c) and its blocked form for long query runs
+(csrc/extend_attention.c), the fused norm / rotary steps of a decoder layer
 (csrc/fused_ops.c), the small-batch product with float32, 16-bit or int8 weights
 (csrc/weight_gemm.c) and the register-tiled float32 product over packed weights for decode
 batches (csrc/packed_gemm.c).
@@ -106,6 +107,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16kv):
         fn.restype = ctypes.c_int
         fn.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float, i64]
+    lib.extend_attention_f32.restype = ctypes.c_int
+    lib.extend_attention_f32.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float]
     lib.add_rmsnorm_f32.restype = None
     lib.add_rmsnorm_f32.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, i64]
     lib.qk_norm_rope_f32.restype = None
@@ -169,6 +172,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
         batch, hq, hkv, d, scale, key_splits)
     if rc != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch space")
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
+                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
+                     scale: float, isa: str | None = None) -> None:
+    """`paged_attention` for long query runs (prefill chunks, extends over a cached prefix):
+    csrc/extend_attention.c blocks the query rows against tiles of keys. Same arguments, with
+    k and v float32 only and a head dim that is a multiple of 32; `isa` picks a build (tests)."""
+    lib = load(isa)
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    for name, t in (("q", q), ("out", out), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    for name, t in (("kv_index", kv_index), ("q_start", q_start), ("q_len", q_len), ("kv_len", kv_len)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
+    hq, d, hkv = q.shape[1], q.shape[2], k.shape[1]
+    if d % 32 or hq % hkv:
+        raise ValueError(f"extend_attention needs a head dim that is a multiple of 32 and whole query groups, "
+                         f"got head_dim {d}, {hq} / {hkv} heads")
+    rc = lib.extend_attention_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_index.data_ptr(), kv_index.shape[1], q_start.data_ptr(),
+        q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), q_start.numel(), hq, hkv, d, scale)
+    if rc != 0:
+        raise MemoryError("the CPU extend-attention kernel could not allocate its scratch space")
 
 
 def _fused_ok(*tensors: torch.Tensor) -> bool:
