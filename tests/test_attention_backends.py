@@ -95,21 +95,21 @@ def test_sdpa_decode_chunks_bound_the_padded_gather() -> None:
 @pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel cannot be built")
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_sdpa(kv_dtype: torch.dtype) -> None:
-    """Kernel-sized runs, runs for the blocked kernel (float32 pools) and a run longer than
-    either takes, in one mixed batch."""
+    """Kernel-sized runs and longer ones in one mixed batch: the longer go to the blocked
+    kernel over a float32 pool, to sdpa over a bfloat16 one."""
     if DEVICE.type != "cpu":
         pytest.skip("the C kernel is for the CPU")
-    from minisgl_mp.attention.cpu import EXTEND_MAX_QUERY, KERNEL_MAX_QUERY
+    from minisgl_mp.attention.cpu import KERNEL_MAX_QUERY
 
     cached = (120, 0, 33, 9, 4)
-    extend = (1, KERNEL_MAX_QUERY + 20, KERNEL_MAX_QUERY + 3, 5, EXTEND_MAX_QUERY + 5)
+    extend = (1, KERNEL_MAX_QUERY + 20, KERNEL_MAX_QUERY + 3, 5, 300)
     pool, table, layout, _ = make_batch(cached, extend, 2, 64, kv_dtype)
     q, k, v = qkv(sum(extend), 8, 2, 64, torch.float32)
     meta = registry.create_backend("cpu", pool, table, 8, 2, 64, torch.float32).prepare(layout)
-    assert meta.kernel is not None and meta.rest is not None
+    assert meta.kernel is not None and meta.kernel.q_len.tolist() == [1, 5]
     if kv_dtype == torch.float32:  # the blocked kernel reads float32 pools only
-        assert meta.extend is not None and meta.extend.q_len.tolist() == [KERNEL_MAX_QUERY + 20, KERNEL_MAX_QUERY + 3]
-        assert [s.q_len for s in meta.rest.extends] == [EXTEND_MAX_QUERY + 5]
+        assert meta.extend is not None and meta.extend.q_len.tolist() == [KERNEL_MAX_QUERY + 20, KERNEL_MAX_QUERY + 3, 300]
+        assert meta.rest is None
     else:
         assert meta.extend is None and len(meta.rest.extends) == 3
     torch.testing.assert_close(run("cpu", pool, table, layout, q, k, v, torch.float32),

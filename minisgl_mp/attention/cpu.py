@@ -1,12 +1,12 @@
 """The C paged-attention kernel for the CPU (`--attention-backend cpu`, the default there).
 
 Decodes and short extends (at most `KERNEL_MAX_QUERY` new tokens) go to the kernel, which reads K/V
-straight from the pool through the page table (no gathered copy). Longer extends, up to
-`EXTEND_MAX_QUERY` tokens, go to its blocked form (csrc/extend_attention.c: query blocks against
-key tiles, float32 pools), which runs prompts of a few hundred tokens faster than PyTorch's flash
-kernel; the longest, and those over a bfloat16 pool, go to the `sdpa` backend. The kernels take a
-float32 model with a float32 or bfloat16 pool; `is_supported` says when they can run at all
-(CPU, those dtypes, the library built).
+straight from the pool through the page table (no gathered copy). Longer runs (prompts, chunks,
+extends over a cached prefix) go to its blocked form (csrc/extend_attention.c: query blocks
+against key tiles, float32 pools), which ran 64- to 4,096-token prompts faster than PyTorch's
+flash kernel; over a bfloat16 pool they go to the `sdpa` backend. The kernels take a float32
+model with a float32 or bfloat16 pool; `is_supported` says when they can run at all (CPU, those
+dtypes, the library built).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from minisgl_mp.kvcache.req_table import ReqTable
 # matrix-product blocking of SDPA's flash kernel. Set from the crossover measured against the
 # 4-D sdpa path (launch/bench_attention_crossover.py; docs/benchmarks.md, "Attention backends").
 KERNEL_MAX_QUERY = 16
-# Longer query runs, up to this many tokens, go to the blocked kernel; past it PyTorch's flash
-# kernel takes larger query blocks and is as fast (docs/benchmarks.md section 19).
-EXTEND_MAX_QUERY = 1024
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,7 @@ class CpuMetadata:
     out_loc: torch.Tensor
     kernel: KernelRun | None
     extend: KernelRun | None  # for the blocked kernel
-    rest: SdpaPlan | None  # requests longer than the kernels take
+    rest: SdpaPlan | None  # longer requests the blocked kernel cannot take
 
 
 def is_supported(pool: KVPool, dtype: torch.dtype) -> bool:
@@ -58,7 +55,7 @@ class CpuBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, req_table: ReqTable, num_heads: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype | None = None, max_query: int = KERNEL_MAX_QUERY,
-                 extend_max_query: int = EXTEND_MAX_QUERY) -> None:
+                 extend_kernel: bool = True) -> None:
         self.pool = pool
         self.req_table = req_table
         self.dtype = dtype or pool.k.dtype
@@ -67,16 +64,16 @@ class CpuBackend(AttentionBackend):
                              "and the C kernel library (a C compiler); use --attention-backend sdpa")
         self.scale = head_dim**-0.5
         self.max_query = max_query
-        # The blocked kernel takes whole 32-wide chunks of a head and whole query groups.
-        self.extend_max_query = extend_max_query if head_dim % 32 == 0 and num_heads % num_kv_heads == 0 else 0
+        # The blocked kernel reads float32 pools, whole 32-wide chunks of a head, whole query groups.
+        self.extend_kernel = (extend_kernel and pool.k.dtype == torch.float32 and head_dim % 32 == 0
+                              and num_heads % num_kv_heads == 0)
         self.sdpa = SdpaBackend(pool, req_table, num_heads, num_kv_heads, head_dim, dtype=self.dtype)
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
         lens = layout.extend_lens
-        extend_max = self.extend_max_query if self.pool.k.dtype == torch.float32 else self.max_query
         short = [i for i, n in enumerate(lens) if n <= self.max_query]
-        extend = [i for i, n in enumerate(lens) if self.max_query < n <= extend_max]
-        long = [i for i, n in enumerate(lens) if n > max(self.max_query, extend_max)]
+        longer = [i for i, n in enumerate(lens) if n > self.max_query]
+        extend, long = (longer, []) if self.extend_kernel else ([], longer)
         starts = token_starts(lens) if short or extend else None
         kernel = self._run(layout, short, starts) if short else None
         extend_run = self._run(layout, extend, starts) if extend else None

@@ -7,13 +7,15 @@
  * Why beside paged_attention.c: that kernel takes a query row at a time against each key (dot
  * products), right for decodes, but its cost grows with queries x keys at well under the FMA
  * rate; PyTorch's flash kernel blocks the products but runs a 256-token prompt in 64-row
- * blocks at about a third of the matrix rate (docs/benchmarks.md section 19). Here a work item
- * is (request, kv head, block of QB query tokens): the block's rows (its query tokens times the
- * kv head's query heads) are held against tiles of KT keys, both products in the
- * register-tiled outer-product form (RB rows of accumulators, the key tile's vectors loaded once
- * per step and shared by the rows), with an online softmax between them. The scores need the
- * key tile transposed (d rows of KT keys), which each item does for the tiles it sees. Tiles past a block's
- * last query position are skipped, so a causal prompt costs half its square.
+ * blocks at about half the matrix rate (docs/benchmarks.md section 19). Here a work item is
+ * (request, kv head, block of QB query tokens): the block's rows (its query tokens times the kv
+ * head's query heads) meet tiles of KT keys, both products in the register-tiled
+ * outer-product form, with an online softmax between them:
+ * - scores are computed transposed, s[key][row]: RK keys' values are broadcast from the pool
+ *   rows in place against vectors of the rows' queries (transposed once per item), so no key is
+ *   ever copied, and the softmax runs with each row a vector lane;
+ * - values: RB rows of accumulators take each key's value vectors, read in place, once.
+ * Tiles past a block's last position are skipped, so a causal prompt costs half its square.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,17 +28,19 @@
 typedef float vf __attribute__((vector_size(64))); /* 16 floats: one zmm, two ymm or four xmm */
 #define VW 16
 
-/* Query tokens per work item. Every item transposes the key tiles it sees, so larger blocks
- * transpose less; 64 measured faster than 32 on 256-token prompts and as fast as 128. */
+/* Query tokens per work item. */
 #define QB 64
+#define KT 48 /* keys per tile */
 #if defined(__AVX512F__)
-#define RB 8  /* rows per register block */
-#define NVK 3 /* vectors of scores per row in a key tile: 8 x 3 accumulators, 24 of 32 registers */
+#define RK 6  /* keys per register block of scores: 6 keys x 4 vectors of rows, 24 of 32 registers */
+#define NVR 4
+#define RB 8  /* rows per register block of values: 8 x 2 vectors */
 #else
-#define RB 3  /* AVX2's 16 registers: 3 x 2 accumulators of two ymm each */
-#define NVK 2
+#define RK 3  /* AVX2's 16 registers: 3 x 2 vectors of two ymm each */
+#define NVR 2
+#define RB 3
 #endif
-#define KT (NVK * VW) /* keys per tile */
+#define RC (NVR * VW) /* rows per chunk of scores */
 
 static inline vf vload(const float *p) {
     vf v;
@@ -63,34 +67,41 @@ static inline float exp_nonpos(float x) {
     return keep * p * bits.f;
 }
 
-/* R rows of s[., KT] = qs[., d] . kt[d, KT] (kt: the key tile transposed, KT floats a row). R is
- * a literal at each call site, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void scores_rows(const float *qs, int64_t d, const float *kt,
-                                                              float *s, const int R) {
-    vf a[RB][NVK];
-    for (int r = 0; r < R; ++r)
-        for (int u = 0; u < NVK; ++u) a[r][u] = (vf){0};
-    for (int64_t j = 0; j < d; ++j) {
-        vf kv[NVK];
-        for (int u = 0; u < NVK; ++u) kv[u] = vload(kt + j * KT + u * VW);
-        for (int r = 0; r < R; ++r) {
-            const float x = qs[r * d + j];
-            for (int u = 0; u < NVK; ++u) a[r][u] += x * kv[u];
+/* Scores of R keys (krow[j]: key j's d values) against a chunk of RC rows, transposed: s[j][0:RC]
+ * (lds floats a key) = k_j . qt[., rows] (qt: the rows' queries transposed, ldq floats a dim).
+ * The keys are read in place from the pool; R is a literal at each call site. */
+static inline __attribute__((always_inline)) void scores_keys(const float *const *krow, const float *qt,
+                                                              int64_t ldq, int64_t d, float *s, int64_t lds,
+                                                              const int R) {
+    vf a[RK][NVR];
+    for (int j = 0; j < R; ++j)
+        for (int u = 0; u < NVR; ++u) a[j][u] = (vf){0};
+    for (int64_t e = 0; e < d; ++e) {
+        vf qv[NVR];
+        for (int u = 0; u < NVR; ++u) qv[u] = vload(qt + e * ldq + u * VW);
+        for (int j = 0; j < R; ++j) {
+            const float x = krow[j][e];
+            for (int u = 0; u < NVR; ++u) a[j][u] += x * qv[u];
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int u = 0; u < NVK; ++u) vstore(s + r * KT + u * VW, a[r][u]);
+    for (int j = 0; j < R; ++j)
+        for (int u = 0; u < NVR; ++u) vstore(s + j * lds + u * VW, a[j][u]);
 }
 
-static void scores_tile(const float *qs, int64_t rows, int64_t d, const float *kt, float *s) {
-    int64_t r = 0;
-    for (; r + RB <= rows; r += RB) scores_rows(qs + r * d, d, kt, s + r * KT, RB);
-    for (; r < rows; ++r) scores_rows(qs + r * d, d, kt, s + r * KT, 1);
+static void scores_tile(const float *const *krow, int64_t nk, const float *qt, int64_t rows_pad, int64_t d,
+                        float *s) {
+    for (int64_t c = 0; c < rows_pad; c += RC) {
+        int64_t j = 0;
+        for (; j + RK <= nk; j += RK) scores_keys(krow + j, qt + c, rows_pad, d, s + j * rows_pad + c, rows_pad, RK);
+        for (; j < nk; ++j) scores_keys(krow + j, qt + c, rows_pad, d, s + j * rows_pad + c, rows_pad, 1);
+    }
 }
 
-/* R rows of acc[., c : c + 32] += p[., nk] . V[nk keys, c : c + 32] (vrow[j]: key j's values). */
-static inline __attribute__((always_inline)) void values_rows(const float *p, int64_t nk, const float *const *vrow,
-                                                              int64_t c, int64_t d, float *acc, const int R) {
+/* R rows of acc[., c : c + 32] += p[., nk] . V[nk keys, c : c + 32] (vrow[j]: key j's values; p
+ * transposed, ldp floats a key). */
+static inline __attribute__((always_inline)) void values_rows(const float *p, int64_t ldp, int64_t nk,
+                                                              const float *const *vrow, int64_t c, int64_t d,
+                                                              float *acc, const int R) {
     vf a0[RB], a1[RB];
     for (int r = 0; r < R; ++r) {
         a0[r] = vload(acc + r * d + c);
@@ -99,7 +110,7 @@ static inline __attribute__((always_inline)) void values_rows(const float *p, in
     for (int64_t j = 0; j < nk; ++j) {
         const vf v0 = vload(vrow[j] + c), v1 = vload(vrow[j] + c + VW);
         for (int r = 0; r < R; ++r) {
-            const float x = p[r * KT + j];
+            const float x = p[j * ldp + r];
             a0[r] += x * v0;
             a1[r] += x * v1;
         }
@@ -110,12 +121,12 @@ static inline __attribute__((always_inline)) void values_rows(const float *p, in
     }
 }
 
-static void values_tile(const float *p, int64_t rows, int64_t nk, const float *const *vrow, int64_t d,
-                        float *acc) {
+static void values_tile(const float *p, int64_t ldp, int64_t rows, int64_t nk, const float *const *vrow,
+                        int64_t d, float *acc) {
     for (int64_t c = 0; c < d; c += 2 * VW) {
         int64_t r = 0;
-        for (; r + RB <= rows; r += RB) values_rows(p + r * KT, nk, vrow, c, d, acc + r * d, RB);
-        for (; r < rows; ++r) values_rows(p + r * KT, nk, vrow, c, d, acc + r * d, 1);
+        for (; r + RB <= rows; r += RB) values_rows(p + r, ldp, nk, vrow, c, d, acc + r * d, RB);
+        for (; r < rows; ++r) values_rows(p + r, ldp, nk, vrow, c, d, acc + r * d, 1);
     }
 }
 
@@ -125,7 +136,7 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
                          int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale) {
     if (d % (2 * VW) != 0 || hq % hkv != 0) return -2;
     const int64_t groups = hq / hkv;
-    const int64_t rows_max = QB * groups;
+    const int64_t rows_max = (QB * groups + RC - 1) / RC * RC;
     /* items: for each request, hkv heads x ceil(q_len / QB) blocks */
     int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(batch + 1));
     if (!first_item) return -1;
@@ -139,14 +150,15 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
         const unsigned int csr = _mm_getcsr(); /* denormals flushed in this call only */
         _mm_setcsr(csr | 0x8040);
 #endif
-        float *qs = malloc(sizeof(float) * (size_t)(rows_max * d));
+        float *qt = malloc(sizeof(float) * (size_t)(rows_max * d));
         float *acc = malloc(sizeof(float) * (size_t)(rows_max * d));
         float *s = malloc(sizeof(float) * (size_t)(rows_max * KT));
-        float *kt = malloc(sizeof(float) * (size_t)(d * KT));
         float *run_max = malloc(sizeof(float) * (size_t)rows_max);
         float *run_sum = malloc(sizeof(float) * (size_t)rows_max);
+        float *tile_max = malloc(sizeof(float) * (size_t)rows_max);
+        const float **krow = malloc(sizeof(float *) * KT);
         const float **vrow = malloc(sizeof(float *) * KT);
-        if (!qs || !acc || !s || !kt || !run_max || !run_sum || !vrow) {
+        if (!qt || !acc || !s || !run_max || !run_sum || !tile_max || !krow || !vrow) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -163,11 +175,16 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
             const int64_t nq = q_len[b], first = kv_len[b] - nq; /* query i sits at position first + i */
             const int64_t i0 = blk * QB, ni = nq - i0 < QB ? nq - i0 : QB;
             const int64_t rows = ni * groups; /* row r = (query i0 + r / groups, head h * groups + r % groups) */
+            const int64_t rows_pad = (rows + RC - 1) / RC * RC; /* padding rows: zero queries, never written */
             const int64_t *slots = kv_index + b * stride;
             const float *qb = q + q_start[b] * hq * d;
-            for (int64_t r = 0; r < rows; ++r) {
-                const float *src = qb + ((i0 + r / groups) * hq + h * groups + r % groups) * d;
-                for (int64_t j = 0; j < d; ++j) qs[r * d + j] = src[j] * scale;
+            for (int64_t r = 0; r < rows_pad; ++r) {
+                if (r < rows) {
+                    const float *src = qb + ((i0 + r / groups) * hq + h * groups + r % groups) * d;
+                    for (int64_t e = 0; e < d; ++e) qt[e * rows_pad + r] = src[e] * scale;
+                } else {
+                    for (int64_t e = 0; e < d; ++e) qt[e * rows_pad + r] = 0.0f;
+                }
                 run_max[r] = -INFINITY;
                 run_sum[r] = 0.0f;
             }
@@ -175,58 +192,57 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
             const int64_t keys = first + i0 + ni; /* the block's last query sees keys [0, keys) */
             for (int64_t t0 = 0; t0 < keys; t0 += KT) {
                 const int64_t nk = keys - t0 < KT ? keys - t0 : KT;
-                for (int64_t j = 0; j < KT; ++j) {
-                    if (j < nk) {
-                        const float *kr = k + (slots[t0 + j] * hkv + h) * d;
-                        for (int64_t e = 0; e < d; ++e) kt[e * KT + j] = kr[e];
-                        vrow[j] = v + (slots[t0 + j] * hkv + h) * d;
-                    } else {
-                        for (int64_t e = 0; e < d; ++e) kt[e * KT + j] = 0.0f;
-                    }
+                for (int64_t j = 0; j < nk; ++j) {
+                    krow[j] = k + (slots[t0 + j] * hkv + h) * d;
+                    vrow[j] = v + (slots[t0 + j] * hkv + h) * d;
                 }
-                scores_tile(qs, rows, d, kt, s);
-                for (int64_t r = 0; r < rows; ++r) {
-                    /* keys of this tile that row r's query sees: positions <= first + its index */
-                    const int64_t last = first + i0 + r / groups;
-                    const int64_t seen = last - t0 + 1 < nk ? last - t0 + 1 : nk;
-                    float *sr = s + r * KT;
-                    if (seen <= 0) {
-                        memset(sr, 0, sizeof(float) * KT);
-                        continue;
-                    }
-                    float m = run_max[r];
-                    for (int64_t j = 0; j < seen; ++j) m = sr[j] > m ? sr[j] : m;
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < seen; ++j) {
-                        sr[j] = exp_nonpos(sr[j] - m);
-                        sum += sr[j];
-                    }
-                    for (int64_t j = seen; j < KT; ++j) sr[j] = 0.0f;
-                    if (m != run_max[r]) {
-                        const float corr = exp_nonpos(run_max[r] - m); /* 0 on the first tile */
+                scores_tile(krow, nk, qt, rows_pad, d, s);
+                /* Key t0 + j is hidden from the rows of queries before it: a prefix of the rows. */
+                for (int64_t j = 0; j < nk; ++j) {
+                    int64_t hidden = (t0 + j - first - i0) * groups;
+                    hidden = hidden < 0 ? 0 : hidden > rows_pad ? rows_pad : hidden;
+                    for (int64_t r = 0; r < hidden; ++r) s[j * rows_pad + r] = -INFINITY;
+                }
+                /* Online softmax, each row a lane: every row sees key 0 in the first tile, so its
+                 * running max is finite from then on. */
+                memcpy(tile_max, run_max, sizeof(float) * (size_t)rows_pad);
+                for (int64_t j = 0; j < nk; ++j) {
+                    const float *sj = s + j * rows_pad;
+#pragma omp simd
+                    for (int64_t r = 0; r < rows_pad; ++r) tile_max[r] = sj[r] > tile_max[r] ? sj[r] : tile_max[r];
+                }
+                for (int64_t r = 0; r < rows; ++r)
+                    if (tile_max[r] != run_max[r]) {
+                        const float corr = exp_nonpos(run_max[r] - tile_max[r]); /* 0 on the first tile */
                         float *a = acc + r * d;
 #pragma omp simd
-                        for (int64_t j = 0; j < d; ++j) a[j] *= corr;
+                        for (int64_t e = 0; e < d; ++e) a[e] *= corr;
                         run_sum[r] *= corr;
-                        run_max[r] = m;
                     }
-                    run_sum[r] += sum;
+                for (int64_t j = 0; j < nk; ++j) {
+                    float *sj = s + j * rows_pad;
+#pragma omp simd
+                    for (int64_t r = 0; r < rows_pad; ++r) {
+                        sj[r] = exp_nonpos(sj[r] - tile_max[r]);
+                        run_sum[r] += sj[r];
+                    }
                 }
-                values_tile(s, rows, nk, vrow, d, acc);
+                memcpy(run_max, tile_max, sizeof(float) * (size_t)rows_pad);
+                values_tile(s, rows_pad, rows, nk, vrow, d, acc);
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float *dst = out + (q_start[b] + i0 + r / groups) * hq * d + (h * groups + r % groups) * d;
                 const float inv = 1.0f / run_sum[r];
-                for (int64_t j = 0; j < d; ++j) dst[j] = acc[r * d + j] * inv;
+                for (int64_t e = 0; e < d; ++e) dst[e] = acc[r * d + e] * inv;
             }
         }
-        free(qs);
+        free(qt);
         free(acc);
         free(s);
-        free(kt);
         free(run_max);
         free(run_sum);
+        free(tile_max);
+        free(krow);
         free(vrow);
 #if defined(__SSE__)
         _mm_setcsr(csr);
