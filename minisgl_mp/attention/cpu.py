@@ -74,7 +74,7 @@ class CpuBackend(AttentionBackend):
         short = [i for i, n in enumerate(lens) if n <= self.max_query]
         longer = [i for i, n in enumerate(lens) if n > self.max_query]
         extend, long = (longer, []) if self.extend_kernel else ([], longer)
-        starts = token_starts(lens) if short or extend else None
+        starts = token_starts(lens)
         kernel = self._run(layout, short, starts) if short else None
         extend_run = self._run(layout, extend, starts) if extend else None
         rest = self.sdpa.plan(layout, long) if long else None

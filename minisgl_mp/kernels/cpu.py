@@ -33,6 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
+HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # part of the build's cache key
 # NOTE: never -ffast-math here: linking a shared library with it pulls in crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process as soon as the library loads. The
 # kernel flushes denormals itself, for its own duration only; its sums are reassociated
@@ -61,7 +62,7 @@ def _cpu_model() -> str:
 
 def _build(cc: str, isa: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [f"{src.name}\0{src.read_text()}" for src in SOURCES]
+    texts = [f"{src.name}\0{src.read_text()}" for src in (*SOURCES, *HEADERS)]
     flags = CFLAGS + ISA_FLAGS[isa]
     key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"

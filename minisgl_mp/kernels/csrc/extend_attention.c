@@ -25,6 +25,8 @@
 #include <xmmintrin.h>
 #endif
 
+#include "exp_nonpos.h"
+
 typedef float vf __attribute__((vector_size(64))); /* 16 floats: one zmm, two ymm or four xmm */
 #define VW 16
 
@@ -49,23 +51,6 @@ static inline vf vload(const float *p) {
 }
 
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* exp(x) for x <= 0, as in paged_attention.c (degree-6 polynomial, 2^n in the exponent bits). */
-static inline float exp_nonpos(float x) {
-    const float keep = x < -80.0f ? 0.0f : 1.0f;
-    x = x < -80.0f ? -80.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } bits = {.i = ((int32_t)n + 127) << 23};
-    return keep * p * bits.f;
-}
 
 /* Scores of R keys (krow[j]: key j's d values) against a chunk of RC rows, transposed: s[j][0:RC]
  * (lds floats a key) = k_j . qt[., rows] (qt: the rows' queries transposed, ldq floats a dim).
