@@ -27,21 +27,30 @@
 
 #include "exp_nonpos.h"
 
-typedef float vf __attribute__((vector_size(64))); /* 16 floats: one zmm, two ymm or four xmm */
-#define VW 16
-
 /* Query tokens per work item. */
 #define QB 64
 #define KT 48 /* keys per tile */
+
+/* One vector of the build's native width. GCC splits a wider generic vector into native ones
+ * badly: 16-float vectors on an AVX2 build kept their accumulators on the stack and built each
+ * broadcast through integer moves, and ran this kernel 15-20x slower than sdpa. */
 #if defined(__AVX512F__)
+#define VW 16
 #define RK 6  /* keys per register block of scores: 6 keys x 4 vectors of rows, 24 of 32 registers */
 #define NVR 4
 #define RB 8  /* rows per register block of values: 8 x 2 vectors */
-#else
-#define RK 3  /* AVX2's 16 registers: 3 x 2 vectors of two ymm each */
+#elif defined(__AVX__)
+#define VW 8
+#define RK 6  /* 16 registers: 6 x 2 accumulators, 2 vectors of queries, a broadcast */
 #define NVR 2
-#define RB 3
+#define RB 6
+#else
+#define VW 4  /* SSE, or the compiler's lowering of 4-float vectors elsewhere */
+#define RK 6
+#define NVR 2
+#define RB 6
 #endif
+typedef float vf __attribute__((vector_size(VW * 4)));
 #define RC (NVR * VW) /* rows per chunk of scores */
 
 static inline vf vload(const float *p) {
@@ -82,7 +91,7 @@ static void scores_tile(const float *const *krow, int64_t nk, const float *qt, i
     }
 }
 
-/* R rows of acc[., c : c + 32] += p[., nk] . V[nk keys, c : c + 32] (vrow[j]: key j's values; p
+/* R rows of acc[., c : c + 2 VW] += p[., nk] . V[nk keys, c : c + 2 VW] (vrow[j]: key j's values; p
  * transposed, ldp floats a key). */
 static inline __attribute__((always_inline)) void values_rows(const float *p, int64_t ldp, int64_t nk,
                                                               const float *const *vrow, int64_t c, int64_t d,

@@ -57,20 +57,17 @@ typedef __m256 vf;
 #define VSET1(p) _mm256_broadcast_ss(p)
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+/* Partial vectors through lane masks: a temporary array would make the accumulators
+ * addressable, and GCC then keeps them on the stack inside the k loop. */
+static inline __m256i lane_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 static inline void vstore_n(float *p, vf v, int n) {
-    if (n >= VL) {
-        _mm256_storeu_ps(p, v);
-    } else {
-        float t[VL];
-        _mm256_storeu_ps(t, v);
-        memcpy(p, t, (size_t)n * sizeof(float));
-    }
+    if (n >= VL) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, lane_mask(n), v);
 }
 static inline vf vload_n(const float *p, int n) {
-    if (n >= VL) return _mm256_loadu_ps(p);
-    float t[VL] = {0};
-    memcpy(t, p, (size_t)n * sizeof(float));
-    return _mm256_loadu_ps(t);
+    return n >= VL ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(n));
 }
 #else
 #define VL 1
@@ -106,28 +103,48 @@ static inline __attribute__((always_inline)) void micro(
     const float *x, int64_t ldx, int64_t k, const float *panel, int64_t width, const float *bias,
     float *y, int64_t ldy, int ncols, int first, int last, const char *pn, int64_t pn_lines, const int R,
     const int V) {
+    /* The loops over R and V are unrolled by request: left to GCC 12, the accumulator array
+     * stayed in memory as well, a store of every accumulator at every step of K, which held
+     * the AVX2 build to half the FMA rate (docs/benchmarks.md section 20). */
     vf acc[MR][NV];
     int64_t pn_acc = 0;
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) {
         const int n = ncols - v * VL;
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) acc[r][v] = first || n <= 0 ? VZERO() : vload_n(y + r * ldy + v * VL, n);
     }
     for (int64_t i = 0; i < k; ++i) {
         const float *b = panel + i * width;
+#pragma GCC unroll 8
         for (int v = 0; v < V; ++v) __builtin_prefetch(b + PF * width + v * VL, 0, 3);
-        /* pn_lines cache lines of the next unit spread evenly over the k steps, into L2 */
-        for (pn_acc += pn_lines; pn_acc >= k; pn_acc -= k, pn += 64) __builtin_prefetch(pn, 0, 2);
+        /* pn_lines cache lines of the next unit spread evenly over the k steps, into L2: at
+         * most three a step (a unit's K step is UW * 4 bytes, three lines at most), written out
+         * rather than as a loop, which measured slower on AVX2 */
+        pn_acc += pn_lines;
+#pragma GCC unroll 3
+        for (int p = 0; p < 3; ++p)
+            if (pn_acc >= k) {
+                __builtin_prefetch(pn, 0, 2);
+                pn += 64;
+                pn_acc -= k;
+            }
         vf w[NV];
+#pragma GCC unroll 8
         for (int v = 0; v < V; ++v) w[v] = VLOAD(b + v * VL);
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             const vf a = VSET1(x + r * ldx + i);
+#pragma GCC unroll 8
             for (int v = 0; v < V; ++v) acc[r][v] = VFMA(a, w[v], acc[r][v]);
         }
     }
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) {
         const int n = ncols - v * VL;
         if (n <= 0) break; /* a vector of padding only (AVX2's second half of a unit) */
         const vf bv = bias && last ? vload_n(bias + v * VL, n) : VZERO();
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) vstore_n(y + r * ldy + v * VL, acc[r][v] + bv, n);
     }
 }

@@ -29,22 +29,32 @@
 /* K/V elements are read through these, so one kernel body serves both pool dtypes: `bf16`
  * is a compile-time constant in each exported entry point, and the always-inline body is
  * specialised for it. A bfloat16 is the top half of a float32: widening is a shift. */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint16_t vu16x16 __attribute__((vector_size(32)));
-typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+/* Vectors of the build's native width (VW floats). GCC lowers a wider generic vector badly:
+ * 16-float vectors on an AVX2 build lived on the stack, and this kernel read its K/V at well
+ * under half the memory's rate there (docs/benchmarks.md section 20). */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
 
-static inline vf16 load16(const float *p) {
-    vf16 v;
+static inline vf vload(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline vf16 kv_load16(const void *base, int64_t off, int bf16) {
-    if (!bf16) return load16((const float *)base + off);
-    vu16x16 h;
+static inline vf kv_load(const void *base, int64_t off, int bf16) {
+    if (!bf16) return vload((const float *)base + off);
+    vu16 h;
     memcpy(&h, (const uint16_t *)base + off, sizeof h);
-    const vu32x16 w = __builtin_convertvector(h, vu32x16) << 16;
-    vf16 f;
+    const vu32 w = __builtin_convertvector(h, vu32) << 16;
+    vf f;
     memcpy(&f, &w, sizeof f);
     return f;
 }
@@ -57,12 +67,6 @@ static inline float kv_at(const void *base, int64_t off, int bf16) {
     return f;
 }
 
-static inline float hsum16(vf16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; ++i) s += v[i];
-    return s;
-}
-
 /* One query row . one key (any d). */
 static inline float dot(const float *restrict q, const void *kv, int64_t off, int64_t n, int bf16) {
     float s = 0.0f;
@@ -71,23 +75,47 @@ static inline float dot(const float *restrict q, const void *kv, int64_t off, in
     return s;
 }
 
-/* The four sums of four vectors, by a shuffle tree: 8 shuffles and 6 adds instead of four
- * separate horizontal sums (each a chain of its own). */
-static inline void hsum4x16(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float out[4]) {
-    const vf16 b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const vf16 b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+/* The four sums of four vectors, by a shuffle tree (halves of pairs added, then halves of
+ * those): fewer shuffles and adds than four separate horizontal sums, each a chain of its own. */
+static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float out[4]) {
+#if VW == 16
+    const vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     /* b01: eight partial sums of a0, then eight of a1; b23 likewise */
-    const vf16 c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                   __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                 __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     /* c: four partial sums each of a0, a1, a2, a3 */
-    const vf16 e = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    const vf16 f = e + __builtin_shufflevector(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    const vf e = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const vf f = e + __builtin_shufflevector(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     out[0] = f[0];
     out[1] = f[4];
     out[2] = f[8];
     out[3] = f[12];
+#elif VW == 8
+    const vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* b01: four partial sums of a0, then four of a1; b23 likewise */
+    const vf c = __builtin_shufflevector(b01, b23, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(b01, b23, 2, 3, 10, 11, 6, 7, 14, 15);
+    /* c: two partial sums each of a0, a2, a1, a3 */
+    const vf e = c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] = e[0];
+    out[1] = e[4];
+    out[2] = e[2];
+    out[3] = e[6];
+#else
+    const vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
+    const vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
+    const vf c = __builtin_shufflevector(b01, b23, 0, 2, 4, 6) + __builtin_shufflevector(b01, b23, 1, 3, 5, 7);
+    out[0] = c[0];
+    out[1] = c[1];
+    out[2] = c[2];
+    out[3] = c[3];
+#endif
 }
 
 /* Four dot products of one query row with four keys at once. A single dot of 128 floats is a
@@ -96,15 +124,15 @@ static inline void hsum4x16(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float out[4]) {
  * n must be a multiple of 16. GCC/Clang vector extensions: AVX-512, AVX2 or SSE as built. */
 static inline void dot4(const float *restrict q, const void *k, int64_t o0, int64_t o1, int64_t o2,
                         int64_t o3, int64_t n, int bf16, float out[4]) {
-    vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t j = 0; j < n; j += 16) {
-        const vf16 qv = load16(q + j);
-        a0 += qv * kv_load16(k, o0 + j, bf16);
-        a1 += qv * kv_load16(k, o1 + j, bf16);
-        a2 += qv * kv_load16(k, o2 + j, bf16);
-        a3 += qv * kv_load16(k, o3 + j, bf16);
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t j = 0; j < n; j += VW) {
+        const vf qv = vload(q + j);
+        a0 += qv * kv_load(k, o0 + j, bf16);
+        a1 += qv * kv_load(k, o1 + j, bf16);
+        a2 += qv * kv_load(k, o2 + j, bf16);
+        a3 += qv * kv_load(k, o3 + j, bf16);
     }
-    hsum4x16(a0, a1, a2, a3, out);
+    hsum4(a0, a1, a2, a3, out);
 }
 
 /* dot4 for two query rows that share the keys (two query heads of one kv head): each key chunk
@@ -112,11 +140,11 @@ static inline void dot4(const float *restrict q, const void *k, int64_t o0, int6
 static inline void dot4x2(const float *restrict q0, const float *restrict q1, const void *k, int64_t o0,
                           int64_t o1, int64_t o2, int64_t o3, int64_t n, int bf16, float out0[4],
                           float out1[4]) {
-    vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-    for (int64_t j = 0; j < n; j += 16) {
-        const vf16 x = load16(q0 + j), y = load16(q1 + j);
-        const vf16 k0 = kv_load16(k, o0 + j, bf16), k1 = kv_load16(k, o1 + j, bf16);
-        const vf16 k2 = kv_load16(k, o2 + j, bf16), k3 = kv_load16(k, o3 + j, bf16);
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+    for (int64_t j = 0; j < n; j += VW) {
+        const vf x = vload(q0 + j), y = vload(q1 + j);
+        const vf k0 = kv_load(k, o0 + j, bf16), k1 = kv_load(k, o1 + j, bf16);
+        const vf k2 = kv_load(k, o2 + j, bf16), k3 = kv_load(k, o3 + j, bf16);
         a0 += x * k0;
         a1 += x * k1;
         a2 += x * k2;
@@ -126,8 +154,8 @@ static inline void dot4x2(const float *restrict q0, const float *restrict q1, co
         c2 += y * k2;
         c3 += y * k3;
     }
-    hsum4x16(a0, a1, a2, a3, out0);
-    hsum4x16(c0, c1, c2, c3, out1);
+    hsum4(a0, a1, a2, a3, out0);
+    hsum4(c0, c1, c2, c3, out1);
 }
 
 /* Keys are taken KEY_TILE at a time with an online softmax (running max and sum per query row,
@@ -282,11 +310,11 @@ static inline __attribute__((always_inline)) int attend(
                             const float *p = scores + r * KEY_TILE + (t - t0);
                             const int64_t off = ((r % hq) / groups) * d;
                             float *a = acc + r * d;
-                            for (int64_t j = 0; j < d; j += 16) {
-                                const vf16 x = load16(a + j) + p[0] * kv_load16(v, o0 + off + j, bf16) +
-                                               p[1] * kv_load16(v, o1 + off + j, bf16) +
-                                               p[2] * kv_load16(v, o2 + off + j, bf16) +
-                                               p[3] * kv_load16(v, o3 + off + j, bf16);
+                            for (int64_t j = 0; j < d; j += VW) {
+                                const vf x = vload(a + j) + p[0] * kv_load(v, o0 + off + j, bf16) +
+                                             p[1] * kv_load(v, o1 + off + j, bf16) +
+                                             p[2] * kv_load(v, o2 + off + j, bf16) +
+                                             p[3] * kv_load(v, o3 + off + j, bf16);
                                 memcpy(a + j, &x, sizeof x);
                             }
                         }
