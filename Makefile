@@ -62,7 +62,9 @@ $(PEERS)/vllm-venv/.installed: launch/peers/setup_vllm.sh
 $(PEERS)/llama-build/bin/llama-batched-bench: launch/peers/setup_llama_cpp.sh
 	PY=$(PY) bash launch/peers/setup_llama_cpp.sh $(PEERS)
 
+# The bench extra brings matplotlib, for the plot beside the JSON.
 bench-peers: install model bench-peers-setup
+	$(PYTHON) -m pip install --quiet -e '.[bench]'
 	$(PYTHON) launch/bench_peers.py --peers-dir $(PEERS) $(BENCH_PEERS_ARGS)
 
 clean:
