@@ -39,14 +39,13 @@
 #define RK 6  /* keys per register block of scores: 6 keys x 4 vectors of rows, 24 of 32 registers */
 #define NVR 4
 #define RB 8  /* rows per register block of values: 8 x 2 vectors */
-#elif defined(__AVX__)
+#else
+#if defined(__AVX__)
 #define VW 8
-#define RK 6  /* 16 registers: 6 x 2 accumulators, 2 vectors of queries, a broadcast */
-#define NVR 2
-#define RB 6
 #else
 #define VW 4  /* SSE, or the compiler's lowering of 4-float vectors elsewhere */
-#define RK 6
+#endif
+#define RK 6  /* 16 registers: 6 x 2 accumulators, 2 vectors of queries, a broadcast */
 #define NVR 2
 #define RB 6
 #endif

@@ -118,17 +118,8 @@ static inline __attribute__((always_inline)) void micro(
         const float *b = panel + i * width;
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) __builtin_prefetch(b + PF * width + v * VL, 0, 3);
-        /* pn_lines cache lines of the next unit spread evenly over the k steps, into L2: at
-         * most three a step (a unit's K step is UW * 4 bytes, three lines at most), written out
-         * rather than as a loop, which measured slower on AVX2 */
-        pn_acc += pn_lines;
-#pragma GCC unroll 3
-        for (int p = 0; p < 3; ++p)
-            if (pn_acc >= k) {
-                __builtin_prefetch(pn, 0, 2);
-                pn += 64;
-                pn_acc -= k;
-            }
+        /* pn_lines cache lines of the next unit spread evenly over the k steps, into L2 */
+        for (pn_acc += pn_lines; pn_acc >= k; pn_acc -= k, pn += 64) __builtin_prefetch(pn, 0, 2);
         vf w[NV];
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) w[v] = VLOAD(b + v * VL);

@@ -26,12 +26,12 @@
 
 #include "exp_nonpos.h"
 
-/* K/V elements are read through these, so one kernel body serves both pool dtypes: `bf16`
- * is a compile-time constant in each exported entry point, and the always-inline body is
- * specialised for it. A bfloat16 is the top half of a float32: widening is a shift. */
 /* Vectors of the build's native width (VW floats). GCC lowers a wider generic vector badly:
  * 16-float vectors on an AVX2 build lived on the stack, and this kernel read its K/V at well
- * under half the memory's rate there (docs/benchmarks.md section 20). */
+ * under half the memory's rate there (docs/benchmarks.md section 20).
+ * K/V elements are read through kv_load / kv_at, so one kernel body serves both pool dtypes:
+ * `bf16` is a compile-time constant in each exported entry point, and the always-inline body
+ * is specialised for it. A bfloat16 is the top half of a float32: widening is a shift. */
 #if defined(__AVX512F__)
 #define VW 16
 #elif defined(__AVX__)
