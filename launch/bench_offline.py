@@ -232,7 +232,10 @@ def prefill_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any
     print("measuring matmul FLOP/s", flush=True)
     mm = decode_floor.measure_matmul()
     row = decode_floor.measure_prefill(llm, prompt_len, args.prefill_reps, token_range, args.seed, mm)
-    print(f"matmul {mm['gflops']:.1f} GFLOP/s")
+    peak = mm["fma_peak_gflops"]
+    print(f"matmul {mm['gflops']:.1f} GFLOP/s"
+          + (f"; FMA ceiling {peak:.1f} GFLOP/s: the matmul at {mm['matmul_share_of_peak']:.0%} of it, the layer "
+             f"products at {row['layer_products_share_of_fma_peak']:.0%}" if peak else ""))
     print(table(["prompt", "prefill ms", "tok/s", "GFLOP/s", "floor ms", "layer products ms", "prefill/floor",
                  "attention share"],
                 [[prompt_len, row["prefill_ms"]["median"], row["prefill_tps"], row["gflops_achieved"],

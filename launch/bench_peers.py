@@ -23,6 +23,9 @@ How each is measured:
   time) and prefill (its S_PP: 32 x 256 prompts in one batch); -npp 256 -npl B for decode
   (T_TG / TG: the mean step, every sequence decoding). It draws random tokens, as our
   requests are random tokens; its KV cache stays at llama.cpp's default (f16).
+Beside them, the machine's float32 FMA ceiling, measured before each system runs
+(kernels/csrc/fma_peak.c): the fixed and prefill workloads' FLOPs over it are the time no
+engine can beat, and each system's time is reported against that floor.
 Variants (engine float16/bfloat16/int8 through --dtype/--quantization, llama f16/q8_0) run
 --variant-measures only (default: decode at --variant-batch-sizes, 1), to keep the run short.
 An engine variant the engine rejects (an option it does not have yet) is reported as skipped.
@@ -41,11 +44,14 @@ from typing import Any
 
 import numpy as np
 
-from minisgl_mp.bench import plots
+import torch
+
+from minisgl_mp.bench import decode_floor, plots
 from minisgl_mp.bench.checkpoints import prepare_model
 from minisgl_mp.bench.cli import int_list
 from minisgl_mp.bench.report import fmt, machine_info, ratio, table, write_json
 from minisgl_mp.bench.workloads import LengthRange, random_workload
+from minisgl_mp.kernels import cpu as cpu_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float16"},
@@ -243,12 +249,44 @@ def figures(r: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
-def summarize(results: dict[str, dict[str, Any]], batches: list[int]) -> dict[str, Any]:
+def summarize(results: dict[str, dict[str, Any]], batches: list[int],
+              ceiling: dict[str, Any] | None = None) -> dict[str, Any]:
     keys = ["fixed_output_tps", "prefill_tps"] + [f"decode_b{b}_ms" for b in batches]
     fig = {name: figures(r) for name, r in results.items()}
     base = fig.get(BASELINE, {})
     ratios = {name: {k: ratio(f.get(k), base.get(k)) for k in keys} for name, f in fig.items()}
-    return {"figures": fig, "ratio_to_engine": ratios, "keys": keys}
+    return {"figures": fig, "ratio_to_engine": ratios, "keys": keys, "fma_ceiling": ceiling}
+
+
+def fma_ceiling(config: dict[str, Any], args: argparse.Namespace,
+                results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The fixed and prefill workloads' FLOPs over the machine's FMA ceiling, measured right
+    before each system ran (kernels/csrc/fma_peak.c, same threads): the time no engine can
+    beat on this machine. Per system, its time over that floor; and what issue 14's 1.2x of
+    vLLM's fixed workload would ask of the engine against the same floor (below 1.0x the
+    floor: more than the machine's arithmetic allows)."""
+    fixed = decode_floor.workload_flops(config, args.num_prompts, args.input_len, args.output_len)
+    prefill = decode_floor.workload_flops(config, args.num_prompts, args.input_len, 1)
+    if fixed is None or prefill is None:
+        return None
+    out: dict[str, Any] = {"fixed_flops": fixed, "prefill_flops": prefill, "systems": {}}
+    for name, r in results.items():
+        peak = r.get("fma_peak_gflops")
+        if not peak:
+            continue
+        row: dict[str, Any] = {"fma_peak_gflops": peak}
+        for key, flops in (("fixed", fixed), ("prefill", prefill)):
+            seconds = (r.get(key) or {}).get("seconds")
+            floor = sum(flops.values()) / (peak * 1e9)
+            row[f"{key}_floor_s"] = floor
+            row[f"{key}_over_floor"] = seconds / floor if seconds else None
+        out["systems"][name] = row
+    vllm, engine = out["systems"].get("vllm"), out["systems"].get(BASELINE)
+    if vllm and engine and vllm["fixed_over_floor"]:
+        # The engine's fixed time for 1.2x vLLM's output tok/s, over the engine's own floor.
+        need = (results["vllm"]["fixed"]["seconds"] / 1.2) / engine["fixed_floor_s"]
+        out["fixed_1_2x_vllm_needs_engine_over_floor"] = need
+    return out
 
 
 def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
@@ -262,6 +300,15 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> 
             notes.append(f"  {name}: {'skipped' if 'skipped' in results[name] else 'failed'}: {why[:300]}")
     print(table(["system (value, x engine)"] + keys, rows))
     print("\n".join(notes))
+    ceiling = summary.get("fma_ceiling")
+    if ceiling:
+        print(table(["system", "FMA ceiling GFLOP/s", "fixed s / floor", "prefill s / floor"],
+                    [[name, row["fma_peak_gflops"], row["fixed_over_floor"], row["prefill_over_floor"]]
+                     for name, row in ceiling["systems"].items()]))
+        need = ceiling.get("fixed_1_2x_vllm_needs_engine_over_floor")
+        if need is not None:
+            print(f"1.2x vLLM's fixed workload needs the engine at {need:.2f}x its FLOP floor"
+                  + (" (below 1: beyond this machine's arithmetic)" if need < 1 else ""))
 
 
 def plot(summary: dict[str, Any], out: Path, title: str) -> Path | None:
@@ -286,19 +333,21 @@ def plot(summary: dict[str, Any], out: Path, title: str) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
+    torch.set_num_threads(args.threads)  # for the FMA ceiling, measured with the systems' threads
     model = prepare_model(args.model, args.load_format, args.checkpoint_dir, args.seed)
     if not model.same_weights or model.hf_weights_dir is None:
         print("bench_peers: the peers need a checkpoint on disk (no --load-format dummy without one)", file=sys.stderr)
         return 2
     model_dir = Path(model.hf_weights_dir)
-    vocab = json.loads(model.config_path.read_text(encoding="utf-8"))["vocab_size"]
+    config = json.loads(model.config_path.read_text(encoding="utf-8"))
+    vocab = config["vocab_size"]
     spec = make_spec(args, model_dir, vocab)
     work = args.out.parent / "peers_work"
     work.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model}: {model.note}", flush=True)
 
     def report() -> dict[str, Any]:
-        summary = summarize(results, args.decode_batch_sizes)
+        summary = summarize(results, args.decode_batch_sizes, fma_ceiling(config, args, results))
         return {"argv": sys.argv[1:] if argv is None else argv, "model": {"name": args.model, **model.to_dict()},
                 "workload": {"fixed": f"{args.num_prompts} x {args.input_len} in x {args.output_len} out",
                              "prefill": f"{args.num_prompts} x {args.input_len} at once",
@@ -331,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                     if name not in now}
     for name, run in runs:
         print(f"== {name}", flush=True)
+        peak = cpu_kernels.fma_peak_gflops()  # right before each system: the host's rate drifts
         results[name] = run()
+        results[name]["fma_peak_gflops"] = peak
         print(json.dumps({k: v for k, v in figures(results[name]).items() if v is not None}),
               results[name].get("skipped") or results[name].get("error") or "", flush=True)
         write_json(args.out, report())  # after each system, so a long run keeps what it measured

@@ -41,3 +41,28 @@ def test_report_keeps_figures_when_peers_are_missing(tmp_path: Path, capsys) -> 
     out = capsys.readouterr().out
     assert "vllm: failed" in out and "25.00 (0.50x)" in out
     json.dumps(summary)  # the report is written as JSON
+
+
+def test_fma_ceiling_puts_each_system_against_the_workloads_flop_floor(capsys) -> None:
+    """Each system's fixed and prefill time over the FLOPs of the work at the FMA ceiling
+    measured before it, and what 1.2x vLLM's fixed workload would ask of the engine."""
+    peers = load_tool("bench_peers")
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}
+    args = peers.build_parser().parse_args(["--num-prompts", "2", "--input-len", "8", "--output-len", "4"])
+    fixed = peers.decode_floor.workload_flops(cfg, 2, 8, 4)
+    total = sum(fixed.values())
+    results = {"engine": {"fixed": {"seconds": 2 * total / 1e9}, "fma_peak_gflops": 1.0},
+               "vllm": {"fixed": {"seconds": 3 * total / 1e9}, "prefill": {"seconds": 1.0}, "fma_peak_gflops": 1.0},
+               "llama-f32": {"fixed": {"seconds": 1.0}}}  # no ceiling measured (reused from an old report)
+    ceiling = peers.fma_ceiling(cfg, args, results)
+    assert ceiling["systems"]["engine"]["fixed_over_floor"] == 2.0
+    assert ceiling["systems"]["engine"]["prefill_over_floor"] is None
+    assert ceiling["systems"]["vllm"]["fixed_over_floor"] == 3.0 and "llama-f32" not in ceiling["systems"]
+    assert abs(ceiling["fixed_1_2x_vllm_needs_engine_over_floor"] - 2.5) < 1e-9
+    summary = peers.summarize(results, [], ceiling)
+    peers.print_table(summary, results)
+    assert "1.2x vLLM's fixed workload needs the engine at 2.50x its FLOP floor" in capsys.readouterr().out
+    # A mixture of experts is not described by the dense FLOP model: no ceiling, no failure.
+    assert peers.fma_ceiling({**cfg, "num_experts": 8}, args, results) is None
+    json.dumps(summary)

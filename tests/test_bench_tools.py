@@ -121,6 +121,15 @@ def test_offline_prefill_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert pf["flops"]["attention"] == cfg["num_hidden_layers"] * 4 * heads * dim * (64 * 65 // 2)
     assert pf["flops"]["lm_head"] == 2 * cfg["vocab_size"] * cfg["hidden_size"]
     assert all(v > 0 for v in pf["ratios"].values())
+    # The dense FLOP model the peers benchmark uses (from config.json) counts the same work.
+    from minisgl_mp.bench.decode_floor import workload_flops
+
+    assert workload_flops(cfg, 1, 64, 1) == pf["flops"]
+    # The FMA ceiling comes with the matmul rate; a product far above it would mean a broken probe.
+    mm = pf["matmul"]
+    if mm["fma_peak_gflops"] is not None:
+        assert mm["fma_peak_gflops"] > 0 and 0 < mm["matmul_share_of_peak"] < 1.5
+        assert 0 < pf["layer_products_share_of_fma_peak"] < 1.5
 
 
 def test_weight_formats_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -202,3 +211,15 @@ def test_py_spy_summary_and_process_discovery(tmp_path: Path) -> None:
     assert summary["busy_share"] == 0.4
     assert summary["top_self"][0] == {"function": "step (scheduler/scheduler.py)", "share": 0.3}
     assert summary["top_self"][1]["function"] == "recv (sugar/socket.py)"
+
+
+def test_decode_plan_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert load_tool("bench_decode_plan").main([
+        "--model", str(tiny_model_dir), "--formats", "float32,int8", "--batch-sizes", "1,2", "--context", "8",
+        "--steps", "2", "--rounds", "2", "--out", str(out)]) == 0
+    results = read(out)["results"]
+    for fmt in ("float32", "int8"):
+        rows = results[fmt]["rows"]
+        assert [r["batch"] for r in rows] == [1, 2]
+        assert all(len(r["plan_ms"]) == len(r["modules_ms"]) == 2 and r["median_ratio"] > 0 for r in rows)

@@ -124,6 +124,34 @@ def test_kv_pool_store_and_pad_slot() -> None:
     assert KVPool.bytes_per_token(2, 2, 4, torch.bfloat16) == 2 * 2 * 2 * 4 * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_pool_store_through_the_cpu_kernel_matches_index_copy(dtype: torch.dtype) -> None:
+    """The C store (one call a layer on the CPU) writes what index_copy_ and torch's cast
+    would, for V as a view into the fused qkv projection too, and leaves every other slot and
+    layer alone; inputs it does not take (float16 K, a non-unit stride) go the PyTorch way."""
+    from minisgl_mp.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the store has only its PyTorch path")
+    pool = KVPool(num_layers=3, num_slots=40, num_kv_heads=2, head_dim=8, dtype=dtype, device=CPU, prefault=True)
+    assert pool._kernel_store
+    ref_k, ref_v = pool.k.clone(), pool.v.clone()
+    qkv = torch.randn(5, 4 * 8 + 2 * 2 * 8) * 3
+    qkv[0, -1] = float("nan")  # a NaN stays NaN in the bfloat16 cast
+    k = torch.randn(5, 2, 8)
+    v = qkv[:, 4 * 8 + 2 * 8:].reshape(5, 2, 8)  # rows 64 floats apart
+    loc = torch.tensor([33, 2, 17, 0, 39])
+    pool.store(1, loc, k, v)
+    ref_k[1].index_copy_(0, loc, k.to(dtype))
+    ref_v[1].index_copy_(0, loc, v.to(dtype))
+    assert torch.equal(pool.k, ref_k) and torch.equal(pool.v[..., :-1], ref_v[..., :-1])
+    assert torch.equal(pool.v.isnan(), ref_v.isnan())
+    half = torch.randn(2, 2, 8).half()
+    strided = torch.randn(2, 8, 2).transpose(1, 2)
+    pool.store(2, torch.tensor([3, 4]), half, strided)
+    assert torch.equal(pool.k[2, 3:5], half.to(dtype)) and torch.equal(pool.v[2, 3:5], strided.to(dtype))
+
+
 def test_a_prefaulted_pool_is_written_through_and_still_works() -> None:
     pool = KVPool(num_layers=2, num_slots=8, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=CPU,
                   prefault=True)

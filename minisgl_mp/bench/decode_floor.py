@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.llm import LLM
 from minisgl_mp.sampling_params import SamplingParams
 
@@ -49,10 +50,16 @@ def measure_bandwidth(mib: int = 512, reps: int = 5) -> dict[str, float]:
     return {"tensor_mib": mib, "read_gbps": x.nbytes / read / 1e9, "copy_gbps": 2 * x.nbytes / copy / 1e9}
 
 
-def measure_matmul(n: int = 2048, reps: int = 5) -> dict[str, float]:
+def measure_matmul(n: int = 2048, reps: int = 5) -> dict[str, float | None]:
+    """GFLOP/s of an n x n float32 product, and the machine's FMA ceiling measured right after
+    (kernels/csrc/fma_peak.c: register-only FMA chains on every thread; None without the C
+    kernels): the product's share of it says how much faster any kernel could go."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     t = min(best_seconds(lambda: a @ b, reps))
-    return {"matmul_n": n, "gflops": 2 * n**3 / t / 1e9}
+    gflops = 2 * n**3 / t / 1e9
+    peak = cpu_kernels.fma_peak_gflops()
+    return {"matmul_n": n, "gflops": gflops, "fma_peak_gflops": peak,
+            "matmul_share_of_peak": None if not peak else gflops / peak}
 
 
 def chains(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Callable[[], None], int, int,
@@ -181,6 +188,32 @@ def prefill_flops(model: torch.nn.Module, prompt_len: int) -> dict[str, int]:
             "lm_head": 2 * model.lm_head.weight.numel()}
 
 
+def workload_flops(config: dict[str, Any], prompts: int, input_len: int, output_len: int) -> dict[str, int] | None:
+    """Matrix-product FLOPs of `prompts` requests of `input_len` prompt tokens and `output_len`
+    generated tokens on a dense decoder described by its Hugging Face config: every layer's
+    products on every token (the last output token is never fed back), causal attention (QK^T
+    and PV over the keys each query sees) and the LM head once per output token. The same
+    work for every engine, whatever its kernels: over a machine's FMA ceiling it is the time
+    no engine can beat. None for configs it does not describe (mixtures of experts)."""
+    try:
+        hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+        heads, vocab = config["num_attention_heads"], config["vocab_size"]
+    except KeyError:
+        return None
+    if config.get("num_experts") or config.get("num_local_experts"):
+        return None
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_token = layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    fed = input_len + output_len - 1  # tokens that go through the layers, per request
+    # Query at position i (0-based) sees i + 1 keys: sum over the fed positions.
+    pairs = fed * (fed + 1) // 2
+    return {"linear": 2 * prompts * fed * per_token,
+            "attention": prompts * layers * 2 * 2 * heads * head_dim * pairs,
+            "lm_head": 2 * prompts * output_len * vocab * hidden}
+
+
 def engine_prefill(llm: LLM, prompt_len: int, reps: int, token_range: int, seed: int) -> list[float]:
     """Seconds the scheduler takes to prefill one `prompt_len`-token prompt from nothing (one
     step: the prefill budget must hold the prompt) and sample its first token; the prefix
@@ -225,6 +258,7 @@ def measure_prefill(llm: LLM, prompt_len: int, reps: int, token_range: int, seed
     total = sum(flops.values())
     step_s = statistics.median(times)
     floor_s = total / (matmul["gflops"] * 1e9)
+    peak = matmul.get("fma_peak_gflops")
     return {
         "prompt_len": prompt_len, "runs": len(times),
         "prefill_ms": {"median": step_s * 1e3, "min": min(times) * 1e3},
@@ -233,6 +267,8 @@ def measure_prefill(llm: LLM, prompt_len: int, reps: int, token_range: int, seed
         "floor_flops_ms": floor_s * 1e3,
         "chain_layer_products_ms": chain_s * 1e3,
         "attention_share_of_flops": flops["attention"] / total,
+        # The products' GFLOP/s over the FMA ceiling: how much a faster kernel could still win.
+        "layer_products_share_of_fma_peak": (flops["linear"] / chain_s / 1e9 / peak) if peak else None,
         "ratios": {"prefill_over_floor_flops": step_s / floor_s,
                    "layer_products_over_their_floor": chain_s / (flops["linear"] / (matmul["gflops"] * 1e9)),
                    "prefill_over_layer_products": step_s / chain_s},

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from minisgl_mp.attention.base import AttentionContext, BatchLayout
+from minisgl_mp.engine.cpu_decode import CpuDecodePlan
 from minisgl_mp.engine.cuda_graph import DecodeGraphRunner
 from minisgl_mp.attention import registry
 from minisgl_mp.distributed.group import TPGroup
@@ -76,6 +77,11 @@ class ModelRunner:
         self.backend = registry.create_backend(self.attention_backend, self.pool, self.req_table, mc.num_heads,
                                                mc.num_kv_heads, mc.head_dim, dtype)
         logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
+        self.cpu_decode: CpuDecodePlan | None = None
+        if device.type == "cpu" and config.cpu_decode_plan and tp is None:
+            self.cpu_decode = CpuDecodePlan.build(self.model, self.backend, self.pool)
+            if self.cpu_decode is not None:
+                self.model.layer_runner = self.cpu_decode
         self.graphs: DecodeGraphRunner | None = None
         if device.type == "cuda" and not config.disable_cuda_graph and tp is not None:
             # Not yet checked: NCCL collectives inside a captured graph.

@@ -2,8 +2,9 @@
 paged attention (csrc/paged_attention.c) and its blocked form for long query runs
 (csrc/extend_attention.c), the fused norm / rotary steps of a decoder layer
 (csrc/fused_ops.c), the small-batch product with float32, 16-bit or int8 weights
-(csrc/weight_gemm.c) and the register-tiled float32 product over packed weights for decode
-batches (csrc/packed_gemm.c).
+(csrc/weight_gemm.c), the register-tiled float32 product over packed weights for decode
+batches (csrc/packed_gemm.c), and a probe of the machine's FMA ceiling for the benchmarks
+(csrc/fma_peak.c).
 
 The sources are compiled together with the system C compiler (a second or two) into one
 library in a per-user cache and loaded with ctypes: no torch headers, no pybind. OpenMP is
@@ -78,17 +79,25 @@ def _build(cc: str, isa: str) -> Path:
     return target
 
 
+_DEFAULT_ISA: str | None = None
+
+
 def default_isa() -> str:
-    isa = os.environ.get("MINISGL_MP_CPU_ISA", "native")
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"MINISGL_MP_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
-    return isa
+    """MINISGL_MP_CPU_ISA, else native; read once per process (the kernels' wrappers ask on
+    every call, a few hundred times a decode step)."""
+    global _DEFAULT_ISA
+    if _DEFAULT_ISA is None:
+        isa = os.environ.get("MINISGL_MP_CPU_ISA", "native")
+        if isa not in ISA_FLAGS:
+            raise ValueError(f"MINISGL_MP_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+        _DEFAULT_ISA = isa
+    return _DEFAULT_ISA
 
 
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The kernel library built for `isa` (default: MINISGL_MP_CPU_ISA, else native), or None
     when it cannot be built here (logged once)."""
-    isa = isa or default_isa()
+    isa = isa or _DEFAULT_ISA or default_isa()
     if isa in _LIBS:
         return _LIBS[isa]
     _LIBS[isa] = None
@@ -116,6 +125,10 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.silu_mul_f32.restype = None
     lib.silu_mul_f32.argtypes = [vp, i64, i64, i64, vp]
     lib.qk_norm_rope_f32.argtypes = [vp, i64, i64, i64, i64, i64, vp, vp, ctypes.c_float, vp, vp, vp, vp]
+    lib.fma_peak_gflops.restype = ctypes.c_double
+    lib.fma_peak_gflops.argtypes = [i64]
+    lib.kv_store_f32.restype = None
+    lib.kv_store_f32.argtypes = [vp, i64, vp, i64, vp, i64, i64, vp, vp, ctypes.c_int]
     lib.weight_gemm.restype = ctypes.c_int
     lib.weight_gemm.argtypes = [vp, i64, i64, vp, ctypes.c_int, vp, vp, vp, i64, i64]
     lib.weight_gemm_isa.restype = ctypes.c_int
@@ -202,7 +215,32 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
 
 
 def _fused_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
+
+
+def kv_rows(t: torch.Tensor, tokens: int, heads: int, head_dim: int) -> int | None:
+    """The row stride (in floats) of a float32 CPU [tokens, heads, head_dim] tensor whose
+    tokens' rows are each contiguous, as `kv_store` takes them; None when it is not one."""
+    if (t.dtype != torch.float32 or t.device.type != "cpu" or t.shape != (tokens, heads, head_dim)
+            or t.stride(2) != 1 or t.stride(1) != head_dim):
+        return None
+    return t.stride(0)
+
+
+def kv_store(k: torch.Tensor, k_stride: int, v: torch.Tensor, v_stride: int, loc: torch.Tensor,
+             k_pool: int, v_pool: int, row: int, bf16: bool) -> None:
+    """Scatter new K and V rows (float32, `row` floats a token, rows `k_stride` / `v_stride`
+    apart: see `kv_rows`) into the pool rows at `loc` (int64, contiguous) of one layer, whose
+    K and V start at the addresses `k_pool` / `v_pool`; float32, or bfloat16 when `bf16`
+    (rounded to nearest even). The caller checks the shapes and the slots (KVPool.store)."""
+    lib = _LIBS.get(_DEFAULT_ISA or default_isa()) or load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    lib.kv_store_f32(k.data_ptr(), k_stride, v.data_ptr(), v_stride, loc.data_ptr(), loc.numel(), row,
+                     k_pool, v_pool, 1 if bf16 else 0)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -342,6 +380,14 @@ def packed_gemm_tile(isa: str | None = None) -> tuple[int, int] | None:
     """(channels per unit, rows per tile) of the packed product in this build (None: no kernels)."""
     lib = load(isa)
     return None if lib is None else (int(lib.packed_gemm_unit()), int(lib.packed_gemm_rows()))
+
+
+def fma_peak_gflops(iters: int = 20_000_000, reps: int = 3) -> float | None:
+    """The float32 FMA ceiling of this machine over torch's threads (csrc/fma_peak.c), GFLOP/s:
+    the best of `reps` runs of `iters` rounds of a register-only FMA loop a thread (~0.1 s
+    each). None without the kernels."""
+    lib = load()
+    return None if lib is None else max(lib.fma_peak_gflops(iters) for _ in range(reps))
 
 
 def kernel_isa(isa: str | None = None) -> int | None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.utils.memory import advise_huge_pages
 
 
@@ -45,10 +46,25 @@ class KVPool:
             self.v[:, num_slots].zero_()
         self.num_slots = num_slots
         self.pad_slot = num_slots
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        # On the CPU a float32 model's K and V go in through one C call a layer (two
+        # index_copy_, two casts and two views otherwise: a few hundred small dispatches a
+        # decode step).
+        self._kernel_store = (device.type == "cpu" and dtype in cpu_kernels.KV_DTYPES
+                              and cpu_kernels.load() is not None)
+        self._layer_bytes = self.k.stride(0) * self.k.element_size()
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T]; k, v: [T, Hkv, D], cast to the pool's dtype when it is not the model's
         # (round to nearest even for bfloat16)
+        if self._kernel_store and loc.dtype == torch.int64 and loc.device.type == "cpu" and loc.is_contiguous():
+            t, hkv, d = loc.numel(), self.num_kv_heads, self.head_dim
+            k_stride, v_stride = cpu_kernels.kv_rows(k, t, hkv, d), cpu_kernels.kv_rows(v, t, hkv, d)
+            if k_stride is not None and v_stride is not None:
+                offset = layer_id * self._layer_bytes
+                cpu_kernels.kv_store(k, k_stride, v, v_stride, loc, self.k.data_ptr() + offset,
+                                     self.v.data_ptr() + offset, hkv * d, self.k.dtype == torch.bfloat16)
+                return
         self.k[layer_id].index_copy_(0, loc, k.to(self.k.dtype))
         self.v[layer_id].index_copy_(0, loc, v.to(self.v.dtype))
 

@@ -3,7 +3,7 @@ LM head. A model file supplies the attention and MLP of each layer; this is the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -45,15 +45,24 @@ class DecoderLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # An engine may run all the layers another way (engine/cpu_decode.py): called with
+        # (x, positions, attn), it returns (x, residual) as the loop below would, or None for
+        # steps it does not take.
+        self.layer_runner: Callable[[torch.Tensor, torch.Tensor, AttentionContext],
+                                    tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> float32 logits [N, vocab] for the rows in
         `logits_indices` (all T rows when None)."""
         x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.rotary, attn)
+        ran = self.layer_runner(x, positions, attn) if self.layer_runner is not None else None
+        if ran is not None:
+            x, residual = ran
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, self.rotary, attn)
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm.forward_with_residual(x, residual)

@@ -5,6 +5,7 @@
  *   qk_norm_rope_f32  per-head RMSNorm of q and k (optional weights), then rotary embedding,
  *                     read from the fused qkv projection and written contiguous.
  *   silu_mul_f32      SwiGLU: silu(gate) * up from the fused gate/up projection.
+ *   kv_store_f32      a step's new K and V rows scattered into the pool's slots.
  * The arithmetic follows the PyTorch path (transformers' order): mean of squares, times
  * 1/sqrt(mean + eps), times the weight; rotate-half RoPE with a [pos, 2, d] cos/sin table.
  */
@@ -13,6 +14,7 @@
 #include <immintrin.h>
 #endif
 #include <stdint.h>
+#include <string.h>
 
 static inline float inv_rms(const float *x, int64_t n, float eps) {
     float s = 0.0f;
@@ -138,4 +140,34 @@ static void silu_mul_row(const float *g, const float *u, float *o, int64_t d) {
 void silu_mul_f32(const float *gate_up, int64_t rows, int64_t d, int64_t row_stride, float *out) {
 #pragma omp parallel for schedule(static) if (rows * d >= 65536)
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate_up + r * row_stride, gate_up + r * row_stride + d, out + r * d, d);
+}
+
+/* Round to nearest even, NaN kept quiet: what torch's float -> bfloat16 cast does. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* pool[loc[t]] = rows[t] for K and V alike: row floats a token (its kv heads), the sources'
+ * rows `k_stride` / `v_stride` floats apart (v is a view into the fused qkv projection), the
+ * pool's rows contiguous, float32 or (bf16) bfloat16. One call in place of two index_copy_
+ * (and two casts) a layer; the slots come from the page allocator and are not checked here. */
+void kv_store_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *loc,
+                  int64_t tokens, int64_t row, void *k_pool, void *v_pool, int bf16) {
+#pragma omp parallel for schedule(static) if (tokens * row >= 262144)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
+        if (!bf16) {
+            memcpy((float *)k_pool + loc[t] * row, ks, sizeof(float) * (size_t)row);
+            memcpy((float *)v_pool + loc[t] * row, vs, sizeof(float) * (size_t)row);
+        } else {
+            uint16_t *kd = (uint16_t *)k_pool + loc[t] * row, *vd = (uint16_t *)v_pool + loc[t] * row;
+#pragma omp simd
+            for (int64_t i = 0; i < row; ++i) kd[i] = to_bf16(ks[i]);
+#pragma omp simd
+            for (int64_t i = 0; i < row; ++i) vd[i] = to_bf16(vs[i]);
+        }
+    }
 }

@@ -1,0 +1,177 @@
+"""All decoder layers of a CPU decode step in one C call (`--no-cpu-decode-plan` turns it off).
+
+A decode step runs ~10 small kernels a layer, each behind a Python module and a ctypes wrapper.
+At small batches the products are bound by reading the weights, and the rest of each call
+(Python, argument checks, and the caches the weights just streamed through) costs more than
+the work it wraps (docs/benchmarks.md section 21). kernels/csrc/decode_layers.c calls the same
+kernels in the same order on the same inputs, so the outputs are the modules' own, bit for bit;
+this file checks once that a model is one it can run that way and lays out its weights'
+addresses.
+
+It takes the layers of a float32 Qwen3-style dense decoder (per-head q/k norms, fused qkv and
+gate/up projections, no tensor parallelism) whose every product and norm runs a C kernel, over
+the `cpu` attention backend, for steps whose requests each bring one token (decodes), fewer
+than `Linear.DENSE_MIN_ROWS` of them (where the modules' products take the same C kernels).
+Anything else runs through the modules, as before: the model files stay the math.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from minisgl_mp.attention.base import AttentionContext
+from minisgl_mp.attention.cpu import CpuBackend, CpuMetadata
+from minisgl_mp.kernels import cpu as cpu_kernels
+from minisgl_mp.kvcache.pool import KVPool
+from minisgl_mp.layers.linear import Linear
+from minisgl_mp.layers.mlp import GatedMLP
+from minisgl_mp.models.decoder import DecoderLayer, DecoderLM
+from minisgl_mp.models.qwen3 import Qwen3Attention
+
+logger = logging.getLogger(__name__)
+
+_i64, _vp, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Product(ctypes.Structure):  # dl_product
+    _fields_ = [("w", _vp), ("scale", _vp), ("bias", _vp), ("n", _i64), ("k", _i64), ("fmt", _i64)]
+
+
+class _Layer(ctypes.Structure):  # dl_layer
+    _fields_ = [("in_norm", _vp), ("post_norm", _vp), ("q_norm", _vp), ("k_norm", _vp), ("eps", _f32),
+                ("qk_eps", _f32), ("qkv", _Product), ("o", _Product), ("gate_up", _Product), ("down", _Product),
+                ("k_pool", _vp), ("v_pool", _vp)]
+
+
+class _Step(ctypes.Structure):  # dl_step
+    _fields_ = [("m", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
+                ("kv_bf16", _i64), ("cos_sin", _vp), ("pos", _vp), ("out_loc", _vp), ("kv_index", _vp),
+                ("stride", _i64), ("q_start", _vp), ("q_len", _vp), ("kv_len", _vp), ("key_splits", _i64),
+                ("scale", _f32), ("unused", _f32), ("bufs", _vp * 3), ("h", _vp), ("qkv", _vp), ("q", _vp),
+                ("k", _vp), ("attn", _vp), ("gate_up", _vp), ("act", _vp)]
+
+
+def _product(m: Linear) -> _Product | None:
+    """The C product a module runs for fewer than DENSE_MIN_ROWS rows, or None (another path)."""
+    if type(m) is not Linear or not m.cpu_gemm:
+        return None
+    bias = None if m.bias is None else m.bias.data
+    if m.panels is not None:
+        return _Product(m.panels.panels.data_ptr(), None, None if bias is None else bias.data_ptr(),
+                        m.out_features, m.in_features, -1)
+    if m.stored is not None:
+        s = m.stored
+        return _Product(s.weight.data_ptr(), None if s.scale is None else s.scale.data_ptr(),
+                        None if s.bias is None else s.bias.data_ptr(), m.out_features, m.in_features, s.fmt)
+    return None
+
+
+class CpuDecodePlan:
+    """`plan(x, positions, attn)` runs every layer on the embeddings x and returns (x, residual)
+    as the layer loop would, or None when this step is not one it takes."""
+
+    MAX_ROWS = Linear.DENSE_MIN_ROWS - 1
+
+    def __init__(self, model: DecoderLM, backend: CpuBackend, pool: KVPool, lib: ctypes.CDLL,
+                 layers: list[_Layer]) -> None:
+        cfg = model.config
+        self.backend, self.lib = backend, lib
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.kv_bf16 = pool.k.dtype == torch.bfloat16
+        self.cos_sin = model.rotary.cos_sin
+        self.layers = (_Layer * len(layers))(*layers)
+        self.num_layers = len(layers)
+        self._pool = pool  # the addresses above point into it and into the model's weights
+        self._model = model
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, backend: object, pool: KVPool) -> CpuDecodePlan | None:
+        """The plan for this model, or None (logged) when it is not one the C loop runs."""
+        why = cls._unsupported(model, backend, pool)
+        lib = cpu_kernels.load()
+        if why is None and lib is None:
+            why = "no C kernels"
+        if why is not None:
+            logger.info("decode steps run layer by layer through the modules: %s", why)
+            return None
+        assert isinstance(model, DecoderLM) and isinstance(backend, CpuBackend)
+        layer_bytes = pool.k.stride(0) * pool.k.element_size()
+        layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr(), layer.input_layernorm.eps,
+                attn.q_norm.eps, _product(attn.qkv_proj), _product(attn.o_proj), _product(mlp.gate_up_proj),
+                _product(mlp.down_proj), pool.k.data_ptr() + i * layer_bytes, pool.v.data_ptr() + i * layer_bytes))
+        lib.decode_layers.restype = ctypes.c_int
+        lib.decode_layers.argtypes = [_vp, _i64, ctypes.POINTER(_Step)]
+        logger.info("decode steps run their %d layers in one C call each", len(layers))
+        return cls(model, backend, pool, lib, layers)
+
+    @staticmethod
+    def _unsupported(model: torch.nn.Module, backend: object, pool: KVPool) -> str | None:
+        if not isinstance(model, DecoderLM) or not isinstance(backend, CpuBackend):
+            return "not a decoder over the cpu attention backend"
+        if pool.k.device.type != "cpu" or pool.k.dtype not in cpu_kernels.KV_DTYPES:
+            return f"a {pool.k.dtype} pool on {pool.k.device}"
+        cfg = model.config
+        for layer in model.layers:
+            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Qwen3Attention \
+                    or type(layer.mlp) is not GatedMLP:
+                return f"{type(layer.self_attn).__name__} layers (the C loop has Qwen3's)"
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            if not all(n.cpu_kernels and n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
+                return "norms without their C kernels (float32 only)"
+            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or attn.q_norm.eps != attn.k_norm.eps:
+                return "norms of one layer with different eps"
+            if not mlp.cpu_kernels:
+                return "SwiGLU without its C kernel"
+            products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(_product(m) is None for m in products):
+                return "products without their C kernels"
+            if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+                return "layers with their own head counts (tensor parallel shards)"
+        if cfg.head_dim % 2 or cfg.head_dim > 1024:
+            return f"head_dim {cfg.head_dim}"
+        return None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor,
+                 attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        md = attn.metadata
+        m = x.shape[0]
+        if (attn.backend is not self.backend or not isinstance(md, CpuMetadata) or md.kernel is None
+                or md.extend is not None or md.rest is not None or not 0 < m <= self.MAX_ROWS):
+            return None
+        run = md.kernel
+        if (run.q_start.numel() != m or x.dtype != torch.float32 or x.shape[1] != self.hidden
+                or not x.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or md.out_loc.dtype != torch.int64 or not md.out_loc.is_contiguous()):
+            return None  # a step whose requests bring more than one token, or unexpected inputs
+        # The attention kernel's split of few requests over threads, as cpu_kernels.paged_attention sets it.
+        key_splits = 1
+        while m * key_splits < 2 * torch.get_num_threads():
+            key_splits *= 2
+        qkv_n = (self.hq + 2 * self.hkv) * self.d
+        bufs = (x, torch.empty_like(x), torch.empty_like(x))
+        h = torch.empty_like(x)
+        qkv = x.new_empty((m, qkv_n))
+        q = x.new_empty((m, self.hq * self.d))
+        k = x.new_empty((m, self.hkv * self.d))
+        out = x.new_empty((m, self.hq * self.d))
+        gate_up = x.new_empty((m, 2 * self.inter))
+        act = x.new_empty((m, self.inter))
+        step = _Step(m, self.hidden, self.hq, self.hkv, self.d, self.inter, int(self.kv_bf16),
+                     self.cos_sin.data_ptr(), positions.data_ptr(), md.out_loc.data_ptr(), run.kv_index.data_ptr(),
+                     run.kv_index.shape[1], run.q_start.data_ptr(), run.q_len.data_ptr(), run.kv_len.data_ptr(),
+                     key_splits, self.backend.scale, 0.0, (_vp * 3)(*(b.data_ptr() for b in bufs)), h.data_ptr(),
+                     qkv.data_ptr(), q.data_ptr(), k.data_ptr(), out.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+        rc = self.lib.decode_layers(self.layers, self.num_layers, ctypes.byref(step))
+        if rc < 0:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch space")
+        return bufs[rc // 4], bufs[rc % 4]

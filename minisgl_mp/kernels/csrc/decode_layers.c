@@ -1,0 +1,107 @@
+/*
+ * Every decoder layer of a decode step in one call: the same kernels, in the same order and on
+ * the same inputs, as the model's modules call one at a time from Python (engine/cpu_decode.py
+ * says when it applies). At small batches each of those calls cost more around the kernel
+ * (Python, ctypes, argument checks, caches the weights had just streamed through) than the
+ * kernel's own work (docs/benchmarks.md section 21); here they are C calls.
+ *
+ * A layer (Qwen3's: pre-norm, fused qkv, per-head q/k RMSNorm and rotary, paged attention,
+ * SwiGLU):
+ *   h = RMSNorm(x += residual); residual = x
+ *   q, k = norm_rope(qkv = h Wqkv); pool[out_loc] = k, v; a = attention(q, pool)
+ *   o = a Wo; h = RMSNorm(o += residual); residual = o
+ *   x = silu_mul(h Wgate_up) Wdown
+ * x and the residual live in three [m, hidden] buffers taken in turn, so nothing is copied.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+/* The kernels of the other sources of this library. */
+void add_rmsnorm_f32(float *x, const float *residual, const float *w, float eps, float *out, int64_t rows,
+                     int64_t dim);
+void qk_norm_rope_f32(const float *qkv, int64_t tokens, int64_t row_stride, int64_t hq, int64_t hkv, int64_t d,
+                      const float *q_w, const float *k_w, float eps, const float *cos_sin, const int64_t *pos,
+                      float *q_out, float *k_out);
+void silu_mul_f32(const float *gate_up, int64_t rows, int64_t d, int64_t row_stride, float *out);
+void kv_store_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *loc,
+                  int64_t tokens, int64_t row, void *k_pool, void *v_pool, int bf16);
+int weight_gemm(const float *x, int64_t m, int64_t k, const void *w, int fmt, const float *scale,
+                const float *bias, float *y, int64_t ldy, int64_t n);
+void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
+                     const float *bias, float *y, int64_t ldy);
+int paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *kv_index, int64_t stride,
+                        const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out,
+                        int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits);
+int paged_attention_bf16kv(const float *q, const uint16_t *k, const uint16_t *v, const int64_t *kv_index,
+                           int64_t stride, const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len,
+                           float *out, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale,
+                           int64_t key_splits);
+
+/* One Linear: its weight as float32 panels (fmt -1, packed_gemm.c) or in a weight_gemm.c format. */
+typedef struct {
+    const void *w;
+    const float *scale; /* int8's per-channel scale, else NULL */
+    const float *bias;  /* or NULL */
+    int64_t n, k, fmt;
+} dl_product;
+
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm;
+    float eps, qk_eps;
+    dl_product qkv, o, gate_up, down;
+    void *k_pool, *v_pool; /* this layer's K and V: [slots, hkv, d] */
+} dl_layer;
+
+typedef struct {
+    int64_t m, hidden, hq, hkv, d, inter, kv_bf16;
+    const float *cos_sin;
+    const int64_t *pos, *out_loc;
+    const int64_t *kv_index;
+    int64_t stride;
+    const int64_t *q_start, *q_len, *kv_len;
+    int64_t key_splits;
+    float scale, unused;
+    float *bufs[3]; /* [m, hidden] each; bufs[0] holds the embeddings on entry */
+    float *h, *qkv, *q, *k, *attn, *gate_up, *act;
+} dl_step;
+
+static void product(const dl_product *p, const float *x, int64_t m, float *y) {
+    if (p->fmt < 0)
+        packed_gemm_f32(x, m, p->k, p->k, (const float *)p->w, p->n, p->bias, y, p->n);
+    else
+        weight_gemm(x, m, p->k, p->w, (int)p->fmt, p->scale, p->bias, y, p->n, p->n);
+}
+
+/* Returns x's buffer index * 4 + the residual's, or -1 when attention could not allocate its
+ * scratch space (the outputs are then incomplete). */
+int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
+    const int64_t m = s->m, hq = s->hq, hkv = s->hkv, d = s->d;
+    const int64_t qkv_n = (hq + 2 * hkv) * d;
+    int xi = 0, ri = -1;
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const dl_layer *L = layers + l;
+        add_rmsnorm_f32(s->bufs[xi], ri < 0 ? NULL : s->bufs[ri], L->in_norm, L->eps, s->h, m, s->hidden);
+        ri = xi;
+        product(&L->qkv, s->h, m, s->qkv);
+        qk_norm_rope_f32(s->qkv, m, qkv_n, hq, hkv, d, L->q_norm, L->k_norm, L->qk_eps, s->cos_sin, s->pos, s->q,
+                         s->k);
+        kv_store_f32(s->k, hkv * d, s->qkv + (hq + hkv) * d, qkv_n, s->out_loc, m, hkv * d, L->k_pool, L->v_pool,
+                     (int)s->kv_bf16);
+        const int rc = s->kv_bf16
+            ? paged_attention_bf16kv(s->q, (const uint16_t *)L->k_pool, (const uint16_t *)L->v_pool, s->kv_index,
+                                     s->stride, s->q_start, s->q_len, s->kv_len, s->attn, m, hq, hkv, d, s->scale,
+                                     s->key_splits)
+            : paged_attention_f32(s->q, (const float *)L->k_pool, (const float *)L->v_pool, s->kv_index, s->stride,
+                                  s->q_start, s->q_len, s->kv_len, s->attn, m, hq, hkv, d, s->scale, s->key_splits);
+        if (rc != 0) return -1;
+        const int oi = (ri + 1) % 3;
+        product(&L->o, s->attn, m, s->bufs[oi]);
+        add_rmsnorm_f32(s->bufs[oi], s->bufs[ri], L->post_norm, L->eps, s->h, m, s->hidden);
+        ri = oi;
+        product(&L->gate_up, s->h, m, s->gate_up);
+        silu_mul_f32(s->gate_up, m, s->inter, 2 * s->inter, s->act);
+        xi = (ri + 1) % 3;
+        product(&L->down, s->act, m, s->bufs[xi]);
+    }
+    return xi * 4 + (ri < 0 ? 3 : ri);
+}
