@@ -54,18 +54,25 @@ class _Step(ctypes.Structure):  # dl_step
                 ("k", _vp), ("attn", _vp), ("gate_up", _vp), ("act", _vp)]
 
 
-def _product(m: Linear) -> _Product | None:
+def _ptr(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    """t's address, with t kept alive in `keep` for as long as the plan points at it."""
+    if t is None:
+        return None
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
     """The C product a module runs for fewer than DENSE_MIN_ROWS rows, or None (another path)."""
     if type(m) is not Linear or not m.cpu_gemm:
         return None
-    bias = None if m.bias is None else m.bias.data
     if m.panels is not None:
-        return _Product(m.panels.panels.data_ptr(), None, None if bias is None else bias.data_ptr(),
-                        m.out_features, m.in_features, -1)
+        bias = None if m.bias is None else m.bias.data
+        return _Product(_ptr(m.panels.panels, keep), None, _ptr(bias, keep), m.out_features, m.in_features, -1)
     if m.stored is not None:
         s = m.stored
-        return _Product(s.weight.data_ptr(), None if s.scale is None else s.scale.data_ptr(),
-                        None if s.bias is None else s.bias.data_ptr(), m.out_features, m.in_features, s.fmt)
+        return _Product(_ptr(s.weight, keep), _ptr(s.scale, keep), _ptr(s.bias, keep), m.out_features,
+                        m.in_features, s.fmt)
     return None
 
 
@@ -76,7 +83,7 @@ class CpuDecodePlan:
     MAX_ROWS = Linear.DENSE_MIN_ROWS - 1
 
     def __init__(self, model: DecoderLM, backend: CpuBackend, pool: KVPool, lib: ctypes.CDLL,
-                 layers: list[_Layer]) -> None:
+                 layers: list[_Layer], keep: list[torch.Tensor]) -> None:
         cfg = model.config
         self.backend, self.lib = backend, lib
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
@@ -85,8 +92,9 @@ class CpuDecodePlan:
         self.cos_sin = model.rotary.cos_sin
         self.layers = (_Layer * len(layers))(*layers)
         self.num_layers = len(layers)
-        self._pool = pool  # the addresses above point into it and into the model's weights
-        self._model = model
+        # Every tensor the layers' addresses point into (weights, norms, the pool), held so none
+        # is freed while the plan lives, even if a module were given a new weight.
+        self._keep = keep
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object, pool: KVPool) -> CpuDecodePlan | None:
@@ -100,18 +108,19 @@ class CpuDecodePlan:
             return None
         assert isinstance(model, DecoderLM) and isinstance(backend, CpuBackend)
         layer_bytes = pool.k.stride(0) * pool.k.element_size()
+        keep: list[torch.Tensor] = [pool.k, pool.v]
         layers = []
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             layers.append(_Layer(
-                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr(), layer.input_layernorm.eps,
-                attn.q_norm.eps, _product(attn.qkv_proj), _product(attn.o_proj), _product(mlp.gate_up_proj),
-                _product(mlp.down_proj), pool.k.data_ptr() + i * layer_bytes, pool.v.data_ptr() + i * layer_bytes))
+                *(_ptr(n.weight.data, keep) for n in norms), layer.input_layernorm.eps, attn.q_norm.eps,
+                *(_product(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                pool.k.data_ptr() + i * layer_bytes, pool.v.data_ptr() + i * layer_bytes))
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_vp, _i64, ctypes.POINTER(_Step)]
         logger.info("decode steps run their %d layers in one C call each", len(layers))
-        return cls(model, backend, pool, lib, layers)
+        return cls(model, backend, pool, lib, layers, keep)
 
     @staticmethod
     def _unsupported(model: torch.nn.Module, backend: object, pool: KVPool) -> str | None:
@@ -133,7 +142,7 @@ class CpuDecodePlan:
             if not mlp.cpu_kernels:
                 return "SwiGLU without its C kernel"
             products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(_product(m) is None for m in products):
+            if any(_product(m, []) is None for m in products):
                 return "products without their C kernels"
             if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
                 return "layers with their own head counts (tensor parallel shards)"
