@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from minisgl_mp.bench import decode_floor, plots

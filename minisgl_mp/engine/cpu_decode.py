@@ -162,10 +162,6 @@ class CpuDecodePlan:
                 or not x.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
                 or md.out_loc.dtype != torch.int64 or not md.out_loc.is_contiguous()):
             return None  # a step whose requests bring more than one token, or unexpected inputs
-        # The attention kernel's split of few requests over threads, as cpu_kernels.paged_attention sets it.
-        key_splits = 1
-        while m * key_splits < 2 * torch.get_num_threads():
-            key_splits *= 2
         qkv_n = (self.hq + 2 * self.hkv) * self.d
         bufs = (x, torch.empty_like(x), torch.empty_like(x))
         h = torch.empty_like(x)
@@ -178,8 +174,9 @@ class CpuDecodePlan:
         step = _Step(m, self.hidden, self.hq, self.hkv, self.d, self.inter, int(self.kv_bf16),
                      self.cos_sin.data_ptr(), positions.data_ptr(), md.out_loc.data_ptr(), run.kv_index.data_ptr(),
                      run.kv_index.shape[1], run.q_start.data_ptr(), run.q_len.data_ptr(), run.kv_len.data_ptr(),
-                     key_splits, self.backend.scale, 0.0, (_vp * 3)(*(b.data_ptr() for b in bufs)), h.data_ptr(),
-                     qkv.data_ptr(), q.data_ptr(), k.data_ptr(), out.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+                     cpu_kernels.default_key_splits(m), self.backend.scale, 0.0,
+                     (_vp * 3)(*(b.data_ptr() for b in bufs)), h.data_ptr(), qkv.data_ptr(), q.data_ptr(),
+                     k.data_ptr(), out.data_ptr(), gate_up.data_ptr(), act.data_ptr())
         rc = self.lib.decode_layers(self.layers, self.num_layers, ctypes.byref(step))
         if rc < 0:
             raise MemoryError("the CPU attention kernel could not allocate its scratch space")

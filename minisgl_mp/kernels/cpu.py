@@ -97,7 +97,7 @@ def default_isa() -> str:
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The kernel library built for `isa` (default: MINISGL_MP_CPU_ISA, else native), or None
     when it cannot be built here (logged once)."""
-    isa = isa or _DEFAULT_ISA or default_isa()
+    isa = isa or default_isa()
     if isa in _LIBS:
         return _LIBS[isa]
     _LIBS[isa] = None
@@ -148,6 +148,16 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def default_key_splits(batch: int) -> int:
+    """The most key ranges `paged_attention` splits each of `batch` requests into: more than one
+    only when requests alone cannot keep every thread busy with two work items (the kernel also
+    keeps each range at 64 keys or more)."""
+    key_splits = 1
+    while batch * key_splits < 2 * torch.get_num_threads():
+        key_splits *= 2
+    return key_splits
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
                     scale: float, key_splits: int | None = None) -> None:
@@ -174,11 +184,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
     hkv = k.shape[1]
     batch = q_start.numel()
     if key_splits is None:
-        # Split a request's keys over threads only when requests alone cannot keep them busy
-        # (the kernel also keeps each range at 64 keys or more).
-        key_splits = 1
-        while batch * key_splits < 2 * torch.get_num_threads():
-            key_splits *= 2
+        key_splits = default_key_splits(batch)
     fn = lib.paged_attention_f32 if k.dtype == torch.float32 else lib.paged_attention_bf16kv
     rc = fn(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_index.data_ptr(), kv_index.shape[1],
@@ -236,7 +242,7 @@ def kv_store(k: torch.Tensor, k_stride: int, v: torch.Tensor, v_stride: int, loc
     apart: see `kv_rows`) into the pool rows at `loc` (int64, contiguous) of one layer, whose
     K and V start at the addresses `k_pool` / `v_pool`; float32, or bfloat16 when `bf16`
     (rounded to nearest even). The caller checks the shapes and the slots (KVPool.store)."""
-    lib = _LIBS.get(_DEFAULT_ISA or default_isa()) or load()
+    lib = load()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available")
     lib.kv_store_f32(k.data_ptr(), k_stride, v.data_ptr(), v_stride, loc.data_ptr(), loc.numel(), row,
