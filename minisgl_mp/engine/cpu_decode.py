@@ -34,6 +34,7 @@ from minisgl_mp.models.qwen3 import Qwen3Attention
 logger = logging.getLogger(__name__)
 
 _i64, _vp, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_FMT_AMX = 4  # decode_layers.c: a product over csrc/amx_gemm.c's tiles
 
 
 class _Product(ctypes.Structure):  # dl_product
@@ -66,6 +67,9 @@ def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
     """The C product a module runs for fewer than DENSE_MIN_ROWS rows, or None (another path)."""
     if type(m) is not Linear or not m.cpu_gemm:
         return None
+    if m.amx is not None:
+        a = m.amx
+        return _Product(_ptr(a.tiles, keep), None, _ptr(a.bias, keep), m.out_features, m.in_features, _FMT_AMX)
     if m.panels is not None:
         bias = None if m.bias is None else m.bias.data
         return _Product(_ptr(m.panels.panels, keep), None, _ptr(bias, keep), m.out_features, m.in_features, -1)
@@ -179,5 +183,5 @@ class CpuDecodePlan:
                      k.data_ptr(), out.data_ptr(), gate_up.data_ptr(), act.data_ptr())
         rc = self.lib.decode_layers(self.layers, self.num_layers, ctypes.byref(step))
         if rc < 0:
-            raise MemoryError("the CPU attention kernel could not allocate its scratch space")
+            raise MemoryError("the CPU attention kernel or an AMX product could not allocate its scratch space")
         return bufs[rc // 4], bufs[rc % 4]

@@ -43,7 +43,9 @@ CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fop
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # gcc stops at 256-bit vectors on x86 by default
 # Extra flags per ISA override: -mno-avx512f / -mno-avx also drop every extension built on them.
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+# noamx is native without AMX (csrc/amx_gemm.c): the other path of bfloat16 weights on AMX CPUs.
+ISA_FLAGS = {"native": [], "noamx": ["-mno-amx-tile"], "avx2": ["-mno-avx512f", "-mno-amx-tile"],
+             "scalar": ["-mno-avx", "-mno-amx-tile"]}
 _LIBS: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -137,6 +139,12 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.packed_gemm_pack.argtypes = [vp, i64, i64, vp]
     lib.packed_gemm_f32.restype = None
     lib.packed_gemm_f32.argtypes = [vp, i64, i64, i64, vp, i64, vp, vp, i64]
+    lib.amx_gemm_ready.restype = ctypes.c_int
+    lib.amx_gemm_ready.argtypes = []
+    lib.amx_gemm_pack.restype = ctypes.c_int
+    lib.amx_gemm_pack.argtypes = [vp, i64, i64, vp]
+    lib.amx_gemm_bf16.restype = ctypes.c_int
+    lib.amx_gemm_bf16.argtypes = [vp, i64, i64, i64, vp, i64, vp, vp, i64]
     for fn in (lib.packed_gemm_unit, lib.packed_gemm_rows):
         fn.restype = ctypes.c_int
         fn.argtypes = []
@@ -379,6 +387,55 @@ class PackedWeight:
         y = x.new_empty((x.shape[0], n))
         self._lib.packed_gemm_f32(x.data_ptr(), x.shape[0], k, x.stride(0), self.panels.data_ptr(), n,
                             None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+        return y
+
+
+def amx_ready(isa: str | None = None) -> bool:
+    """Whether bfloat16 products can run on AMX here: a build with it (an AMX CPU, `native`)
+    and the kernel's permission to use the tile registers."""
+    lib = load(isa)
+    return lib is not None and bool(lib.amx_gemm_ready())
+
+
+class AmxWeight:
+    """A bfloat16 weight [N, K] (N and K multiples of 32) packed into AMX tiles for
+    csrc/amx_gemm.c: y = x W^T with x rounded to bfloat16, float32 accumulation and output."""
+
+    BLOCK = 32
+
+    @classmethod
+    def fits(cls, weight: torch.Tensor) -> bool:
+        return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+                and weight.shape[0] % cls.BLOCK == 0 and weight.shape[1] % cls.BLOCK == 0)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None) -> None:
+        self._lib = lib = load(isa)
+        if lib is None or not lib.amx_gemm_ready():
+            raise RuntimeError("AMX products are not available on this CPU or build")
+        if not self.fits(weight):
+            raise ValueError(f"weight must be a 2-D bfloat16 CPU tensor with both sides multiples of {self.BLOCK}, "
+                             f"got {weight.dtype} {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and (bias.shape != (self.out_features,) or not _fused_ok(bias)):
+            raise ValueError(f"bias must be contiguous float32 [{self.out_features}]")
+        self.bias = bias
+        self.tiles = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        lib.amx_gemm_pack(weight.contiguous().data_ptr(), self.out_features, self.in_features, self.tiles.data_ptr())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
+        n, k = self.out_features, self.in_features
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if x.stride(1) != 1 or x.stride(0) < k:
+            x = x.contiguous()
+        y = x.new_empty((x.shape[0], n))
+        if x.shape[0] == 0:
+            return y
+        rc = self._lib.amx_gemm_bf16(x.data_ptr(), x.shape[0], k, x.stride(0), self.tiles.data_ptr(), n,
+                                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+        if rc != 0:
+            raise MemoryError("the AMX product could not allocate its bfloat16 copy of x")
         return y
 
 

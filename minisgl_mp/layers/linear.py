@@ -29,6 +29,10 @@ class Linear(nn.Module):
     - `F.linear`, after widening the stored weight to the activations' dtype a tile at a time:
       the fallback everywhere else (other devices, no C compiler), and for large batches of
       stored formats, which then run at the float32 matrix rate.
+    - `enable_cpu_gemm()` on a CPU with AMX (Intel's matrix units), for bfloat16 weights: the
+      tiles of kernels/csrc/amx_gemm.c run every product, x rounded to bfloat16 and float32
+      accumulation and output, whatever the rows (one set of numerics for every batch);
+      `amx=False` keeps the widening paths above.
     The plain weight stays the source of truth (tying, reloading, tests read it).
     """
 
@@ -49,6 +53,7 @@ class Linear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.panels: cpu_kernels.PackedWeight | None = None
         self.stored: cpu_kernels.StoredWeight | None = None
+        self.amx: cpu_kernels.AmxWeight | None = None
         self.cpu_gemm = False
 
     def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -63,6 +68,7 @@ class Linear(nn.Module):
         self.packed_weight = None
         self.panels = None
         self.stored = None
+        self.amx = None
         self.cpu_gemm = False
 
     def prepack(self) -> bool:
@@ -73,9 +79,10 @@ class Linear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return True
 
-    def enable_cpu_gemm(self) -> bool:
-        """Use the C product kernels (and pack a float32 weight's panels); returns whether the
-        weight's device and dtype allow it."""
+    def enable_cpu_gemm(self, amx: bool = True) -> bool:
+        """Use the C product kernels (and pack a float32 weight's panels, or a bfloat16 weight's
+        AMX tiles where the CPU has them and `amx`); returns whether the weight's device and
+        dtype allow it."""
         self.cpu_gemm = (self.weight.device.type == "cpu" and self.weight.dtype in cpu_kernels.WEIGHT_FORMATS
                          and (self.bias is None or self.bias.dtype == torch.float32)
                          and cpu_kernels.load() is not None)
@@ -84,6 +91,9 @@ class Linear(nn.Module):
         self.stored = (cpu_kernels.StoredWeight(self.weight.data, self.weight_scale,
                                                 None if self.bias is None else self.bias.data)
                        if self.cpu_gemm and self.weight.dtype != torch.float32 else None)
+        self.amx = (cpu_kernels.AmxWeight(self.weight.data, None if self.bias is None else self.bias.data)
+                    if amx and self.cpu_gemm and cpu_kernels.AmxWeight.fits(self.weight) and cpu_kernels.amx_ready()
+                    else None)
         return self.cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +102,9 @@ class Linear(nn.Module):
         if (self.panels is not None and x.dtype == torch.float32
                 and (rows <= self.PANELS_MAX_ROWS or self.packed_weight is None)):
             y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
+            return y.view(*shape[:-1], self.out_features)
+        if self.amx is not None and x.dtype == torch.float32:
+            y = self.amx.matmul(x.reshape(rows, shape[-1]))
             return y.view(*shape[:-1], self.out_features)
         stored = self.weight.dtype != x.dtype
         if self.cpu_gemm and stored and x.dtype == torch.float32 and rows < self.DENSE_MIN_ROWS:

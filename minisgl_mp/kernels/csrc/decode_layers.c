@@ -25,6 +25,8 @@ void qk_norm_rope_f32(const float *qkv, int64_t tokens, int64_t row_stride, int6
 void silu_mul_f32(const float *gate_up, int64_t rows, int64_t d, int64_t row_stride, float *out);
 void kv_store_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *loc,
                   int64_t tokens, int64_t row, void *k_pool, void *v_pool, int bf16);
+int amx_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                  const float *bias, float *y, int64_t ldy);
 int weight_gemm(const float *x, int64_t m, int64_t k, const void *w, int fmt, const float *scale,
                 const float *bias, float *y, int64_t ldy, int64_t n);
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
@@ -37,7 +39,9 @@ int paged_attention_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
                            float *out, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale,
                            int64_t key_splits);
 
-/* One Linear: its weight as float32 panels (fmt -1, packed_gemm.c) or in a weight_gemm.c format. */
+/* One Linear: its weight as float32 panels (fmt -1, packed_gemm.c), as bfloat16 AMX tiles (fmt
+ * FMT_AMX, amx_gemm.c) or in a weight_gemm.c format (0-3). */
+enum { FMT_AMX = 4 };
 typedef struct {
     const void *w;
     const float *scale; /* int8's per-channel scale, else NULL */
@@ -65,15 +69,19 @@ typedef struct {
     float *h, *qkv, *q, *k, *attn, *gate_up, *act;
 } dl_step;
 
-static void product(const dl_product *p, const float *x, int64_t m, float *y) {
+/* 0, or -1 when the AMX product could not allocate its copy of x. */
+static int product(const dl_product *p, const float *x, int64_t m, float *y) {
     if (p->fmt < 0)
         packed_gemm_f32(x, m, p->k, p->k, (const float *)p->w, p->n, p->bias, y, p->n);
+    else if (p->fmt == FMT_AMX)
+        return amx_gemm_bf16(x, m, p->k, p->k, (const uint16_t *)p->w, p->n, p->bias, y, p->n);
     else
         weight_gemm(x, m, p->k, p->w, (int)p->fmt, p->scale, p->bias, y, p->n, p->n);
+    return 0;
 }
 
-/* Returns x's buffer index * 4 + the residual's, or -1 when attention could not allocate its
- * scratch space (the outputs are then incomplete). */
+/* Returns x's buffer index * 4 + the residual's, or -1 when attention or an AMX product could
+ * not allocate its scratch space (the outputs are then incomplete). */
 int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
     const int64_t m = s->m, hq = s->hq, hkv = s->hkv, d = s->d;
     const int64_t qkv_n = (hq + 2 * hkv) * d;
@@ -82,7 +90,7 @@ int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
         const dl_layer *L = layers + l;
         add_rmsnorm_f32(s->bufs[xi], ri < 0 ? NULL : s->bufs[ri], L->in_norm, L->eps, s->h, m, s->hidden);
         ri = xi;
-        product(&L->qkv, s->h, m, s->qkv);
+        if (product(&L->qkv, s->h, m, s->qkv)) return -1;
         qk_norm_rope_f32(s->qkv, m, qkv_n, hq, hkv, d, L->q_norm, L->k_norm, L->qk_eps, s->cos_sin, s->pos, s->q,
                          s->k);
         kv_store_f32(s->k, hkv * d, s->qkv + (hq + hkv) * d, qkv_n, s->out_loc, m, hkv * d, L->k_pool, L->v_pool,
@@ -95,13 +103,13 @@ int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
                                   s->q_start, s->q_len, s->kv_len, s->attn, m, hq, hkv, d, s->scale, s->key_splits);
         if (rc != 0) return -1;
         const int oi = (ri + 1) % 3;
-        product(&L->o, s->attn, m, s->bufs[oi]);
+        if (product(&L->o, s->attn, m, s->bufs[oi])) return -1;
         add_rmsnorm_f32(s->bufs[oi], s->bufs[ri], L->post_norm, L->eps, s->h, m, s->hidden);
         ri = oi;
-        product(&L->gate_up, s->h, m, s->gate_up);
+        if (product(&L->gate_up, s->h, m, s->gate_up)) return -1;
         silu_mul_f32(s->gate_up, m, s->inter, 2 * s->inter, s->act);
         xi = (ri + 1) % 3;
-        product(&L->down, s->act, m, s->bufs[xi]);
+        if (product(&L->down, s->act, m, s->bufs[xi])) return -1;
     }
     return xi * 4 + (ri < 0 ? 3 : ri);
 }
