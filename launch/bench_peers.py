@@ -55,6 +55,8 @@ from minisgl_mp.kernels import cpu as cpu_kernels
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float16"},
                    "bfloat16": {"dtype": "bfloat16"}, "int8": {"dtype": "float32", "quantization": "int8"},
+                   # bfloat16 weights widened to float32 on a CPU with AMX (docs/benchmarks.md s.22)
+                   "bfloat16-noamx": {"dtype": "bfloat16", "cpu_amx": False},
                    # glibc's malloc as it comes: large blocks unmapped on free (docs/benchmarks.md s.18)
                    "float32-malloc-default": {"dtype": "float32", "cpu_keep_freed_memory": False}}
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -86,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", type=csv(("engine", "vllm", "llama")), default=["engine", "vllm", "llama"])
     p.add_argument("--engine-variants", type=csv(ENGINE_VARIANTS), default=["float32"],
                    help="engine weight formats: float32 (the baseline, always first), float16, bfloat16, int8; "
-                        "float32-malloc-default (float32 with --no-cpu-keep-freed-memory)")
+                        "float32-malloc-default (float32 with --no-cpu-keep-freed-memory), bfloat16-noamx "
+                        "(bfloat16 with --no-cpu-amx)")
     p.add_argument("--vllm-dtypes", type=csv(VLLM_DTYPES), default=["float32"],
                    help="vLLM's dtypes: float32 (the float32 peer, always first), bfloat16 (vLLM's CPU default, "
                         "beside --engine-variants bfloat16)")

@@ -7,7 +7,8 @@ memory's read rate measured in the same run.
 1. Products on the Qwen3-0.6B shapes (`--chain-layers` layers' qkv, o, gate_up and down, then
    the LM head: distinct tensors, far larger than the caches), per stored format and batch size:
    the C kernel, the register-tiled kernel over packed panels, oneDNN prepacked and `F.linear`
-   (float32), the widened-tile path (16-bit and int8), and what `Linear` picks. Weight GB/s =
+   (float32), the widened-tile path (16-bit and int8), on an AMX CPU the bfloat16 tiles and
+   oneDNN's bfloat16 path, and what `Linear` picks. Weight GB/s =
    weight bytes / time; the kernel's crossover is the largest batch where it beats every other
    path.
 2. The engine's batch-1 decode step per format (random weights, `--context` tokens cached)
@@ -40,7 +41,7 @@ FORMATS = {"float32": ({}, torch.float32), "float16": ({"dtype": "float16"}, tor
            "bfloat16": ({"dtype": "bfloat16"}, torch.bfloat16), "int8": ({"quantization": "int8"}, torch.int8),
            # float32 without the C product kernel: the engine's path before it (engine step only)
            "float32-torch": ({"cpu_small_gemm": False}, torch.float32)}
-ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c")
+ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "avx2", "fma", "f16c")
 
 
 def cpu_info() -> dict[str, Any]:
@@ -86,6 +87,13 @@ def product_paths(lins: list[Linear], x: dict[int, torch.Tensor]) -> dict[str, C
     }
     if stored:
         paths["widened"] = lambda: [m._widened_linear(x[m.in_features]) for m in lins]
+    if all(m.amx is not None for m in lins):
+        # bfloat16 on an AMX CPU: the tiles (what `linear` runs), and oneDNN's own AMX path on
+        # prepacked bfloat16 weights, with the casts the engine's float32 activations need.
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data, 1) for m in lins]
+        paths["amx"] = lambda: [m.amx.matmul(x[m.in_features]) for m in lins]
+        paths["onednn_bf16"] = lambda: [torch.ops.mkldnn._linear_pointwise(
+            x[m.in_features].to(torch.bfloat16), w, None, "none", [], "").float() for m, w in zip(lins, packed)]
     else:
         paths["f_linear"] = lambda: [F.linear(x[m.in_features], m.weight) for m in lins]
         paths["onednn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x[m.in_features], m.packed_weight, None,
@@ -120,11 +128,12 @@ def measure_products(cfg: ModelConfig, args: argparse.Namespace, read_gbps: floa
         for batch in args.batch_sizes:
             x = {k: torch.randn(batch, k) for k in {m.in_features for m in lins}}
             ms = interleaved_ms(product_paths(lins, x), args.reps)
-            others = [v for k, v in ms.items() if k not in ("kernel", "linear", "panels")]
+            others = [v for k, v in ms.items() if k not in ("kernel", "linear", "panels", "amx")]
             row = {"format": name, "batch": batch, "weight_bytes": nbytes, "ms": ms,
                    "weight_gbps": {k: nbytes / v / 1e6 for k, v in ms.items()},
                    "kernel_over_best_other": ms["kernel"] / min(others),
                    "panels_over_best_other": ms["panels"] / min(others) if "panels" in ms else None,
+                   "amx_over_best_other": ms["amx"] / min(others) if "amx" in ms else None,
                    "kernel_gbps_over_read": nbytes / ms["kernel"] / 1e6 / read_gbps}
             rows.append(row)
             print(f"{name:>8} B={batch:<3} " + " ".join(f"{k} {v:7.1f} ms ({row['weight_gbps'][k]:5.1f} GB/s)"

@@ -1,4 +1,5 @@
-"""Weights stored as float16 / bfloat16 / int8 on the CPU, float32 arithmetic.
+"""Weights stored as float16 / bfloat16 / int8 on the CPU, float32 arithmetic (bfloat16 on an
+AMX CPU: the tiles of csrc/amx_gemm.c, tests/test_amx_gemm.py, so the engine test here runs them).
 
 The C product kernel (kernels/csrc/weight_gemm.c) against float64 products of the same stored
 weights, for every format and every vector path this machine can build (AVX-512 where the CPU
