@@ -87,6 +87,12 @@ def product_paths(lins: list[Linear], x: dict[int, torch.Tensor]) -> dict[str, C
     }
     if stored:
         paths["widened"] = lambda: [m._widened_linear(x[m.in_features]) for m in lins]
+    else:
+        paths["f_linear"] = lambda: [F.linear(x[m.in_features], m.weight) for m in lins]
+        paths["onednn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x[m.in_features], m.packed_weight, None,
+                                                                      "none", [], "") for m in lins]
+        if all(m.panels is not None for m in lins):
+            paths["panels"] = lambda: [m.panels.matmul(x[m.in_features]) for m in lins]
     if all(m.amx is not None for m in lins):
         # bfloat16 on an AMX CPU: the tiles (what `linear` runs), and oneDNN's own AMX path on
         # prepacked bfloat16 weights, with the casts the engine's float32 activations need.
@@ -94,12 +100,6 @@ def product_paths(lins: list[Linear], x: dict[int, torch.Tensor]) -> dict[str, C
         paths["amx"] = lambda: [m.amx.matmul(x[m.in_features]) for m in lins]
         paths["onednn_bf16"] = lambda: [torch.ops.mkldnn._linear_pointwise(
             x[m.in_features].to(torch.bfloat16), w, None, "none", [], "").float() for m, w in zip(lins, packed)]
-    else:
-        paths["f_linear"] = lambda: [F.linear(x[m.in_features], m.weight) for m in lins]
-        paths["onednn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x[m.in_features], m.packed_weight, None,
-                                                                      "none", [], "") for m in lins]
-        if all(m.panels is not None for m in lins):
-            paths["panels"] = lambda: [m.panels.matmul(x[m.in_features]) for m in lins]
     return paths
 
 
