@@ -4,7 +4,8 @@ Decodes and short extends (at most `KERNEL_MAX_QUERY` new tokens) go to the kern
 straight from the pool through the page table (no gathered copy). Longer runs (prompts, chunks,
 extends over a cached prefix) go to its blocked form (csrc/extend_attention.c: query blocks
 against key tiles, float32 pools), which ran 64- to 4,096-token prompts faster than PyTorch's
-flash kernel; over a bfloat16 pool they go to the `sdpa` backend. The kernels take a float32
+flash kernel, or, for a model whose products run on AMX tiles (bfloat16 weights), to the tiles
+too (csrc/amx_attention.c); over a bfloat16 pool they go to the `sdpa` backend. The kernels take a float32
 model with a float32 or bfloat16 pool; `is_supported` says when they can run at all (CPU, those
 dtypes, the library built).
 """
@@ -68,6 +69,14 @@ class CpuBackend(AttentionBackend):
         self.extend_kernel = (extend_kernel and pool.k.dtype == torch.float32 and head_dim % 32 == 0
                               and num_heads % num_kv_heads == 0)
         self.sdpa = SdpaBackend(pool, req_table, num_heads, num_kv_heads, head_dim, dtype=self.dtype)
+        self.extend_amx = False
+
+    def use_amx_extend(self) -> bool:
+        """Run the long query runs on AMX tiles (csrc/amx_attention.c: Q, K, V and the
+        probabilities in bfloat16, float32 softmax and accumulation), for a model whose linear
+        products already run there; returns whether this CPU, build and head dim allow it."""
+        self.extend_amx = (self.extend_kernel and self.pool.k.shape[-1] <= 256 and cpu_kernel.amx_ready())
+        return self.extend_amx
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
         lens = layout.extend_lens
@@ -102,7 +111,7 @@ class CpuBackend(AttentionBackend):
         if metadata.extend is not None:
             run = metadata.extend
             cpu_kernel.extend_attention(q, self.pool.k[layer_id], self.pool.v[layer_id], run.kv_index,
-                                        run.q_start, run.q_len, run.kv_len, out, self.scale)
+                                        run.q_start, run.q_len, run.kv_len, out, self.scale, amx=self.extend_amx)
         if metadata.rest is not None:
             self.sdpa.attend(q, k, v, layer_id, metadata.rest, out)
         return out

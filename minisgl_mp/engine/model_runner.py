@@ -7,6 +7,7 @@ import logging
 import torch
 
 from minisgl_mp.attention.base import AttentionContext, BatchLayout
+from minisgl_mp.attention.cpu import CpuBackend
 from minisgl_mp.engine.cpu_decode import CpuDecodePlan
 from minisgl_mp.engine.cuda_graph import DecodeGraphRunner
 from minisgl_mp.attention import registry
@@ -77,6 +78,9 @@ class ModelRunner:
         self.attention_backend = registry.resolve_name(config.attention_backend, device, dtype, self.kv_dtype)
         self.backend = registry.create_backend(self.attention_backend, self.pool, self.req_table, mc.num_heads,
                                                mc.num_kv_heads, mc.head_dim, dtype)
+        if isinstance(self.backend, CpuBackend) and any(m.amx is not None for m in linears) \
+                and self.backend.use_amx_extend():
+            logger.info("prompt attention on AMX tiles, as the linear products")
         logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
         self.cpu_decode: CpuDecodePlan | None = None
         if device.type == "cpu" and config.cpu_decode_plan and tp is None:
