@@ -8,7 +8,8 @@ memory's read rate measured in the same run.
    the LM head: distinct tensors, far larger than the caches), per stored format and batch size:
    the C kernel, the register-tiled kernel over packed panels, oneDNN prepacked and `F.linear`
    (float32), the widened-tile path (16-bit and int8), on an AMX CPU the bfloat16 tiles and
-   oneDNN's bfloat16 path, and what `Linear` picks. Weight GB/s =
+   on an AVX512-BF16 one the dot-product panels (bf16dot), beside oneDNN's bfloat16 path, and
+   what `Linear` picks. Weight GB/s =
    weight bytes / time; the kernel's crossover is the largest batch where it beats every other
    path.
 2. The engine's batch-1 decode step per format (random weights, `--context` tokens cached)
@@ -93,11 +94,14 @@ def product_paths(lins: list[Linear], x: dict[int, torch.Tensor]) -> dict[str, C
                                                                       "none", [], "") for m in lins]
         if all(m.panels is not None for m in lins):
             paths["panels"] = lambda: [m.panels.matmul(x[m.in_features]) for m in lins]
-    if all(m.amx is not None for m in lins):
-        # bfloat16 on an AMX CPU: the tiles (what `linear` runs), and oneDNN's own AMX path on
-        # prepacked bfloat16 weights, with the casts the engine's float32 activations need.
+    packed16 = [m.amx or m.bf16dot for m in lins]
+    if all(p is not None for p in packed16):
+        # bfloat16 on an AMX or AVX512-BF16 CPU: the 16-bit kernel (what `linear` runs), and
+        # oneDNN's own bfloat16 path on prepacked weights, with the casts the engine's float32
+        # activations need.
         packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data, 1) for m in lins]
-        paths["amx"] = lambda: [m.amx.matmul(x[m.in_features]) for m in lins]
+        paths["amx" if lins[0].amx is not None else "bf16dot"] = lambda: [
+            p.matmul(x[m.in_features]) for m, p in zip(lins, packed16)]
         paths["onednn_bf16"] = lambda: [torch.ops.mkldnn._linear_pointwise(
             x[m.in_features].to(torch.bfloat16), w, None, "none", [], "").float() for m, w in zip(lins, packed)]
     return paths
@@ -128,12 +132,13 @@ def measure_products(cfg: ModelConfig, args: argparse.Namespace, read_gbps: floa
         for batch in args.batch_sizes:
             x = {k: torch.randn(batch, k) for k in {m.in_features for m in lins}}
             ms = interleaved_ms(product_paths(lins, x), args.reps)
-            others = [v for k, v in ms.items() if k not in ("kernel", "linear", "panels", "amx")]
+            others = [v for k, v in ms.items() if k not in ("kernel", "linear", "panels", "amx", "bf16dot")]
             row = {"format": name, "batch": batch, "weight_bytes": nbytes, "ms": ms,
                    "weight_gbps": {k: nbytes / v / 1e6 for k, v in ms.items()},
                    "kernel_over_best_other": ms["kernel"] / min(others),
                    "panels_over_best_other": ms["panels"] / min(others) if "panels" in ms else None,
                    "amx_over_best_other": ms["amx"] / min(others) if "amx" in ms else None,
+                   "bf16dot_over_best_other": ms["bf16dot"] / min(others) if "bf16dot" in ms else None,
                    "kernel_gbps_over_read": nbytes / ms["kernel"] / 1e6 / read_gbps}
             rows.append(row)
             print(f"{name:>8} B={batch:<3} " + " ".join(f"{k} {v:7.1f} ms ({row['weight_gbps'][k]:5.1f} GB/s)"

@@ -100,8 +100,9 @@ def test_linear_takes_the_tiles_for_bfloat16_weights_that_fit() -> None:
         x = torch.randn(2, rows, 96, generator=gen)
         ref = _reference(x.reshape(-1, 96), ref_w, lin.bias.data).view(2, rows, 64)
         torch.testing.assert_close(lin(x).double(), ref, atol=2e-4, rtol=1e-5)
-    # amx=False: the widening kernel, x not rounded.
-    assert lin.enable_cpu_gemm(amx=False) and lin.amx is None
+    # amx=False (and bf16_dot=False, the other 16-bit path these CPUs have): the widening
+    # kernel, x not rounded.
+    assert lin.enable_cpu_gemm(amx=False, bf16_dot=False) and lin.amx is None and lin.bf16dot is None
     x = torch.randn(5, 96, generator=gen)
     torch.testing.assert_close(lin(x).double(), x.double() @ ref_w.double().T + lin.bias.double(), atol=1e-4, rtol=1e-5)
     # Other stored formats and shapes that are not whole 32-channel blocks never take the tiles.

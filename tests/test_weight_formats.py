@@ -1,5 +1,6 @@
 """Weights stored as float16 / bfloat16 / int8 on the CPU, float32 arithmetic (bfloat16 on an
-AMX CPU: the tiles of csrc/amx_gemm.c, tests/test_amx_gemm.py, so the engine test here runs them).
+AMX CPU: the tiles of csrc/amx_gemm.c, tests/test_amx_gemm.py; on an AVX512-BF16 CPU without
+AMX: csrc/bf16dot_gemm.c, tests/test_bf16dot_gemm.py; the engine test here runs either).
 
 The C product kernel (kernels/csrc/weight_gemm.c) against float64 products of the same stored
 weights, for every format and every vector path this machine can build (AVX-512 where the CPU
@@ -80,7 +81,8 @@ def test_kernel_rejects_mismatched_inputs() -> None:
 @pytest.mark.parametrize("dtype", STORED[1:], ids=lambda d: str(d).replace("torch.", ""))
 def test_linear_paths_agree_at_every_batch_size(dtype: torch.dtype) -> None:
     """The kernel (small batches), widened tiles (large batches, and without the kernel) and
-    the stored weight's meaning agree, with the bias, on a 2-D and a 3-D input."""
+    the stored weight's meaning agree, with the bias, on a 2-D and a 3-D input. (bfloat16 on
+    the 16-bit units, x rounded too: tests/test_amx_gemm.py, tests/test_bf16dot_gemm.py.)"""
     gen = torch.Generator().manual_seed(1)
     lin = Linear(72, 50, bias=True)
     lin.weight.data.copy_(torch.randn(50, 72, generator=gen))
@@ -92,7 +94,7 @@ def test_linear_paths_agree_at_every_batch_size(dtype: torch.dtype) -> None:
         x = torch.randn(rows, 72, generator=gen)
         ref = x.double() @ ref_w.T + lin.bias.double()
         for use_kernel in (True, False):
-            lin.cpu_gemm = use_kernel and lin.enable_cpu_gemm()
+            lin.cpu_gemm = use_kernel and lin.enable_cpu_gemm(bf16_dot=False)
             torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-5)
             assert lin(x.view(1, rows, 72)).shape == (1, rows, 50)
 

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _i64, _vp, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _FMT_AMX = 4  # decode_layers.c: a product over csrc/amx_gemm.c's tiles
+_FMT_BF16DOT = 5  # decode_layers.c: a product over csrc/bf16dot_gemm.c's panels
 
 
 class _Product(ctypes.Structure):  # dl_product
@@ -69,7 +70,10 @@ def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
         return None
     if m.amx is not None:
         a = m.amx
-        return _Product(_ptr(a.tiles, keep), None, _ptr(a.bias, keep), m.out_features, m.in_features, _FMT_AMX)
+        return _Product(_ptr(a.packed, keep), None, _ptr(a.bias, keep), m.out_features, m.in_features, _FMT_AMX)
+    if m.bf16dot is not None:
+        d = m.bf16dot
+        return _Product(_ptr(d.packed, keep), None, _ptr(d.bias, keep), m.out_features, m.in_features, _FMT_BF16DOT)
     if m.panels is not None:
         bias = None if m.bias is None else m.bias.data
         return _Product(_ptr(m.panels.panels, keep), None, _ptr(bias, keep), m.out_features, m.in_features, -1)

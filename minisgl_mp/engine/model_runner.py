@@ -54,9 +54,11 @@ class ModelRunner:
             packed = sum(m.prepack() for m in linears)
             logger.info("prepacked %d linear layers for oneDNN", packed)
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_small_gemm:
-            gemm = sum(m.enable_cpu_gemm(amx=config.cpu_amx) for m in linears)
+            gemm = sum(m.enable_cpu_gemm(amx=config.cpu_amx, bf16_dot=config.cpu_bf16_dot) for m in linears)
             amx = sum(m.amx is not None for m in linears)
-            logger.info("C product kernel for %d linear layers%s", gemm, f" ({amx} on AMX tiles)" if amx else "")
+            dot = sum(m.bf16dot is not None for m in linears)
+            logger.info("C product kernel for %d linear layers%s%s", gemm, f" ({amx} on AMX tiles)" if amx else "",
+                        f" ({dot} on AVX512-BF16 dot products)" if dot else "")
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_fused_ops and cpu_kernels.load() is not None:
             fused = sum(m.enable_cpu_kernels() for m in self.model.modules() if hasattr(m, "enable_cpu_kernels"))
             logger.info("C kernels for %d norm / rotary modules", fused)

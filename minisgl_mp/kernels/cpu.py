@@ -4,8 +4,9 @@ paged attention (csrc/paged_attention.c) and its blocked form for long query run
 (csrc/fused_ops.c), the small-batch product with float32, 16-bit or int8 weights
 (csrc/weight_gemm.c), the register-tiled float32 product over packed weights for decode
 batches (csrc/packed_gemm.c), bfloat16 products and prompt attention on AMX tiles where the
-CPU has them (csrc/amx_gemm.c, csrc/amx_attention.c), and a probe of the machine's FMA ceiling
-for the benchmarks (csrc/fma_peak.c).
+CPU has them (csrc/amx_gemm.c, csrc/amx_attention.c), bfloat16 products on AVX512-BF16's dot
+products where it has those but no AMX (csrc/bf16dot_gemm.c), and a probe of the machine's FMA
+ceiling for the benchmarks (csrc/fma_peak.c).
 
 The sources are compiled together with the system C compiler (a second or two) into one
 library in a per-user cache and loaded with ctypes: no torch headers, no pybind. OpenMP is
@@ -148,7 +149,13 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.amx_gemm_pack.argtypes = [vp, i64, i64, vp]
     lib.amx_gemm_bf16.restype = ctypes.c_int
     lib.amx_gemm_bf16.argtypes = [vp, i64, i64, i64, vp, i64, vp, vp, i64]
-    for fn in (lib.packed_gemm_unit, lib.packed_gemm_rows):
+    lib.bf16dot_gemm_ready.restype = ctypes.c_int
+    lib.bf16dot_gemm_ready.argtypes = []
+    lib.bf16dot_gemm_pack.restype = ctypes.c_int
+    lib.bf16dot_gemm_pack.argtypes = [vp, i64, i64, vp]
+    lib.bf16dot_gemm_bf16.restype = ctypes.c_int
+    lib.bf16dot_gemm_bf16.argtypes = lib.amx_gemm_bf16.argtypes
+    for fn in (lib.packed_gemm_unit, lib.packed_gemm_rows, lib.bf16dot_gemm_unit):
         fn.restype = ctypes.c_int
         fn.argtypes = []
     _LIBS[isa] = lib
@@ -404,30 +411,51 @@ def amx_ready(isa: str | None = None) -> bool:
     return lib is not None and bool(lib.amx_gemm_ready())
 
 
-class AmxWeight:
-    """A bfloat16 weight [N, K] (N and K multiples of 32) packed into AMX tiles for
-    csrc/amx_gemm.c: y = x W^T with x rounded to bfloat16, float32 accumulation and output."""
+def bf16dot_ready(isa: str | None = None) -> bool:
+    """Whether bfloat16 products can run on AVX512-BF16's dot products here (a build with it:
+    `native` on such a CPU)."""
+    lib = load(isa)
+    return lib is not None and bool(lib.bf16dot_gemm_ready())
 
-    BLOCK = 32
+
+class _Bf16Packed:
+    """A bfloat16 weight [N, K] packed once for one of the kernels that round x to bfloat16
+    and multiply on 16-bit units, float32 accumulation and output: y = x W^T (+ bias)."""
+
+    KIND = ""
+    REQUIRES = ""
+
+    @classmethod
+    def _shape_ok(cls, n: int, k: int) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def _ready(cls, lib: ctypes.CDLL) -> bool:
+        raise NotImplementedError
 
     @classmethod
     def fits(cls, weight: torch.Tensor) -> bool:
         return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
-                and weight.shape[0] % cls.BLOCK == 0 and weight.shape[1] % cls.BLOCK == 0)
+                and cls._shape_ok(*weight.shape))
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None) -> None:
         self._lib = lib = load(isa)
-        if lib is None or not lib.amx_gemm_ready():
-            raise RuntimeError("AMX products are not available on this CPU or build")
+        if lib is None or not self._ready(lib):
+            raise RuntimeError(f"{self.KIND} products are not available on this CPU or build")
         if not self.fits(weight):
-            raise ValueError(f"weight must be a 2-D bfloat16 CPU tensor with both sides multiples of {self.BLOCK}, "
+            raise ValueError(f"weight must be a 2-D bfloat16 CPU tensor with {self.REQUIRES}, "
                              f"got {weight.dtype} {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         if bias is not None and (bias.shape != (self.out_features,) or not _fused_ok(bias)):
             raise ValueError(f"bias must be contiguous float32 [{self.out_features}]")
         self.bias = bias
-        self.tiles = torch.empty(weight.numel(), dtype=torch.bfloat16)
-        lib.amx_gemm_pack(weight.contiguous().data_ptr(), self.out_features, self.in_features, self.tiles.data_ptr())
+        self.packed = self._pack(lib, weight.contiguous())
+
+    def _pack(self, lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gemm(self, *args: int | None) -> int:
+        raise NotImplementedError
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
@@ -439,11 +467,63 @@ class AmxWeight:
         y = x.new_empty((x.shape[0], n))
         if x.shape[0] == 0:
             return y
-        rc = self._lib.amx_gemm_bf16(x.data_ptr(), x.shape[0], k, x.stride(0), self.tiles.data_ptr(), n,
-                                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+        rc = self._gemm(x.data_ptr(), x.shape[0], k, x.stride(0), self.packed.data_ptr(), n,
+                        None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
         if rc != 0:
-            raise MemoryError("the AMX product could not allocate its bfloat16 copy of x")
+            raise MemoryError(f"the {self.KIND} product could not allocate its bfloat16 copy of x")
         return y
+
+
+class AmxWeight(_Bf16Packed):
+    """A bfloat16 weight [N, K] (N and K multiples of 32) packed into AMX tiles for
+    csrc/amx_gemm.c: y = x W^T with x rounded to bfloat16, float32 accumulation and output."""
+
+    KIND = "AMX"
+    REQUIRES = "both sides multiples of 32"
+    BLOCK = 32
+
+    @classmethod
+    def _shape_ok(cls, n: int, k: int) -> bool:
+        return n % cls.BLOCK == 0 and k % cls.BLOCK == 0
+
+    @classmethod
+    def _ready(cls, lib: ctypes.CDLL) -> bool:
+        return bool(lib.amx_gemm_ready())
+
+    def _pack(self, lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+        tiles = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        lib.amx_gemm_pack(weight.data_ptr(), self.out_features, self.in_features, tiles.data_ptr())
+        return tiles
+
+    def _gemm(self, *args: int | None) -> int:
+        return self._lib.amx_gemm_bf16(*args)
+
+
+class Bf16DotWeight(_Bf16Packed):
+    """A bfloat16 weight [N, K] (K even) packed into the pair panels of csrc/bf16dot_gemm.c,
+    for CPUs with AVX512-BF16 and no AMX: y = x W^T with x rounded to bfloat16, float32
+    accumulation and output (the numerics of AmxWeight)."""
+
+    KIND = "AVX512-BF16"
+    REQUIRES = "an even number of inputs"
+    PANEL = 16
+
+    @classmethod
+    def _shape_ok(cls, n: int, k: int) -> bool:
+        return n > 0 and k > 0 and k % 2 == 0
+
+    @classmethod
+    def _ready(cls, lib: ctypes.CDLL) -> bool:
+        return bool(lib.bf16dot_gemm_ready())
+
+    def _pack(self, lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+        padded = -(-self.out_features // self.PANEL) * self.PANEL
+        panels = torch.empty(padded * self.in_features, dtype=torch.bfloat16)
+        lib.bf16dot_gemm_pack(weight.data_ptr(), self.out_features, self.in_features, panels.data_ptr())
+        return panels
+
+    def _gemm(self, *args: int | None) -> int:
+        return self._lib.bf16dot_gemm_bf16(*args)
 
 
 def packed_gemm_tile(isa: str | None = None) -> tuple[int, int] | None:

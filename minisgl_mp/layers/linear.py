@@ -33,6 +33,9 @@ class Linear(nn.Module):
       tiles of kernels/csrc/amx_gemm.c run every product, x rounded to bfloat16 and float32
       accumulation and output, whatever the rows (one set of numerics for every batch);
       `amx=False` keeps the widening paths above.
+    - `enable_cpu_gemm()` on a CPU with AVX512-BF16 but no AMX (AMD Zen 4 and 5, for one), for
+      bfloat16 weights: the same numerics on the dot-product instruction, every product through
+      kernels/csrc/bf16dot_gemm.c; `bf16_dot=False` keeps the widening paths.
     The plain weight stays the source of truth (tying, reloading, tests read it).
     """
 
@@ -54,6 +57,7 @@ class Linear(nn.Module):
         self.panels: cpu_kernels.PackedWeight | None = None
         self.stored: cpu_kernels.StoredWeight | None = None
         self.amx: cpu_kernels.AmxWeight | None = None
+        self.bf16dot: cpu_kernels.Bf16DotWeight | None = None
         self.cpu_gemm = False
 
     def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -69,6 +73,7 @@ class Linear(nn.Module):
         self.panels = None
         self.stored = None
         self.amx = None
+        self.bf16dot = None
         self.cpu_gemm = False
 
     def prepack(self) -> bool:
@@ -79,10 +84,10 @@ class Linear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return True
 
-    def enable_cpu_gemm(self, amx: bool = True) -> bool:
+    def enable_cpu_gemm(self, amx: bool = True, bf16_dot: bool = True) -> bool:
         """Use the C product kernels (and pack a float32 weight's panels, or a bfloat16 weight's
-        AMX tiles where the CPU has them and `amx`); returns whether the weight's device and
-        dtype allow it."""
+        AMX tiles where the CPU has them and `amx`, else its AVX512-BF16 panels where it has
+        those and `bf16_dot`); returns whether the weight's device and dtype allow it."""
         self.cpu_gemm = (self.weight.device.type == "cpu" and self.weight.dtype in cpu_kernels.WEIGHT_FORMATS
                          and (self.bias is None or self.bias.dtype == torch.float32)
                          and cpu_kernels.load() is not None)
@@ -94,6 +99,10 @@ class Linear(nn.Module):
         self.amx = (cpu_kernels.AmxWeight(self.weight.data, None if self.bias is None else self.bias.data)
                     if amx and self.cpu_gemm and cpu_kernels.AmxWeight.fits(self.weight) and cpu_kernels.amx_ready()
                     else None)
+        bias = None if self.bias is None else self.bias.data
+        self.bf16dot = (cpu_kernels.Bf16DotWeight(self.weight.data, bias)
+                        if self.amx is None and bf16_dot and self.cpu_gemm
+                        and cpu_kernels.Bf16DotWeight.fits(self.weight) and cpu_kernels.bf16dot_ready() else None)
         return self.cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +112,9 @@ class Linear(nn.Module):
                 and (rows <= self.PANELS_MAX_ROWS or self.packed_weight is None)):
             y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
             return y.view(*shape[:-1], self.out_features)
-        if self.amx is not None and x.dtype == torch.float32:
-            y = self.amx.matmul(x.reshape(rows, shape[-1]))
+        packed16 = self.amx or self.bf16dot
+        if packed16 is not None and x.dtype == torch.float32:
+            y = packed16.matmul(x.reshape(rows, shape[-1]))
             return y.view(*shape[:-1], self.out_features)
         stored = self.weight.dtype != x.dtype
         if self.cpu_gemm and stored and x.dtype == torch.float32 and rows < self.DENSE_MIN_ROWS:

@@ -27,6 +27,8 @@ void kv_store_f32(const float *k, int64_t k_stride, const float *v, int64_t v_st
                   int64_t tokens, int64_t row, void *k_pool, void *v_pool, int bf16);
 int amx_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                   const float *bias, float *y, int64_t ldy);
+int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                      const float *bias, float *y, int64_t ldy);
 int weight_gemm(const float *x, int64_t m, int64_t k, const void *w, int fmt, const float *scale,
                 const float *bias, float *y, int64_t ldy, int64_t n);
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
@@ -40,8 +42,9 @@ int paged_attention_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
                            int64_t key_splits);
 
 /* One Linear: its weight as float32 panels (fmt -1, packed_gemm.c), as bfloat16 AMX tiles (fmt
- * FMT_AMX, amx_gemm.c) or in a weight_gemm.c format (0-3). */
-enum { FMT_AMX = 4 };
+ * FMT_AMX, amx_gemm.c), as bfloat16 pair panels (fmt FMT_BF16DOT, bf16dot_gemm.c) or in a
+ * weight_gemm.c format (0-3). */
+enum { FMT_AMX = 4, FMT_BF16DOT = 5 };
 typedef struct {
     const void *w;
     const float *scale; /* int8's per-channel scale, else NULL */
@@ -69,19 +72,21 @@ typedef struct {
     float *h, *qkv, *q, *k, *attn, *gate_up, *act;
 } dl_step;
 
-/* 0, or -1 when the AMX product could not allocate its copy of x. */
+/* 0, or -1 when a bfloat16 product could not allocate its copy of x. */
 static int product(const dl_product *p, const float *x, int64_t m, float *y) {
     if (p->fmt < 0)
         packed_gemm_f32(x, m, p->k, p->k, (const float *)p->w, p->n, p->bias, y, p->n);
     else if (p->fmt == FMT_AMX)
         return amx_gemm_bf16(x, m, p->k, p->k, (const uint16_t *)p->w, p->n, p->bias, y, p->n);
+    else if (p->fmt == FMT_BF16DOT)
+        return bf16dot_gemm_bf16(x, m, p->k, p->k, (const uint16_t *)p->w, p->n, p->bias, y, p->n);
     else
         weight_gemm(x, m, p->k, p->w, (int)p->fmt, p->scale, p->bias, y, p->n, p->n);
     return 0;
 }
 
-/* Returns x's buffer index * 4 + the residual's, or -1 when attention or an AMX product could
- * not allocate its scratch space (the outputs are then incomplete). */
+/* Returns x's buffer index * 4 + the residual's, or -1 when attention or a bfloat16 product
+ * could not allocate its scratch space (the outputs are then incomplete). */
 int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
     const int64_t m = s->m, hq = s->hq, hkv = s->hkv, d = s->d;
     const int64_t qkv_n = (hq + 2 * hkv) * d;
