@@ -130,14 +130,22 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def _widened_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """F.linear with the stored weight widened to x's dtype a tile of channels at a time,
-        so no full-size widened copy is ever held."""
+        """The product with the stored weight widened to x's dtype a tile of channels at a time,
+        so no full-size widened copy is ever held. On the CPU in float32 the tiles go through
+        oneDNN as they are (no prepacking: each is used once): F.linear takes torch's BLAS,
+        which on AMD EPYCs ran these products at under half oneDNN's rate
+        (docs/benchmarks.md section 23)."""
+        onednn = x.device.type == "cpu" and x.dtype == torch.float32 and _onednn_available()
+        rows = x.reshape(-1, self.in_features) if onednn else x
         tiles = []
         for start in range(0, self.out_features, self.WIDEN_TILE):
             w = self.weight[start:start + self.WIDEN_TILE].to(x.dtype)
             if self.weight_scale is not None:
                 w = w * self.weight_scale[start:start + self.WIDEN_TILE, None].to(x.dtype)
-            tiles.append(F.linear(x, w))
+            tiles.append(torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "") if onednn
+                         else F.linear(x, w))
+        if onednn:
+            tiles = [t.view(*x.shape[:-1], t.shape[-1]) for t in tiles]
         y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
         return y if self.bias is None else y + self.bias
 
