@@ -24,6 +24,8 @@
  * every product entry point reports the kernel unavailable.
  */
 #include <stdint.h>
+
+#include "panel_prefetch.h"
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -186,20 +188,15 @@ int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const u
             /* The thread's next unit, fetched into L2 by the passes of row groups 1.. over this
              * one: group g takes its share of the lines, spread over the blocks of K. */
             const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 2 / 64 : 0;
-            const int64_t share = groups > 1 ? (next_lines + groups - 2) / (groups - 1) : 0;
+            const int64_t share = prefetch_share(next_lines, groups);
             const char *next = (const char *)(packed + (n0 + UW) * k);
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const int first = k0 == 0, last = k0 + kc == k;
                 for (int64_t r = 0, g = 0; r < m; r += MR, ++g) {
                     const int rows = (int)(m - r < MR ? m - r : MR);
-                    int64_t lines = 0, start = 0;
-                    if (g > 0 && share > 0) {
-                        start = (g - 1) * share + share * k0 / k;
-                        const int64_t end = start + (share * kc + k - 1) / k;
-                        lines = (end < next_lines ? end : next_lines) - start;
-                        if (lines < 0) lines = 0;
-                    }
+                    int64_t start;
+                    const int64_t lines = prefetch_lines(g, share, next_lines, k0, kc, k, &start);
                     MICROS[width / 16 - 1][rows - 1](xb + r * k + k0, k, kc, panel + k0 * width, width, bu,
                                                      y + r * ldy + n0, ldy, ncols, first, last,
                                                      next + start * 64, lines);

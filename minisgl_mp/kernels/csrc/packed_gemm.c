@@ -20,6 +20,8 @@
  * ISA (see packed_gemm_unit), so a buffer is only valid for the library that packed it.
  */
 #include <stdint.h>
+
+#include "panel_prefetch.h"
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -222,7 +224,7 @@ void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const fl
             /* The thread's next unit, fetched into L2 by the passes of row groups 1.. over this
              * one: group g takes its share of the lines, spread over the blocks of K. */
             const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 4 / 64 : 0;
-            const int64_t share = groups > 1 ? (next_lines + groups - 2) / (groups - 1) : 0;
+            const int64_t share = prefetch_share(next_lines, groups);
             const char *next = (const char *)(panels + (n0 + UW) * k);
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
@@ -231,13 +233,8 @@ void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const fl
                     const int rows = (int)(m - r < MR ? m - r : MR);
                     const float *xb = x + r * ldx + k0, *pb = panel + k0 * width;
                     float *yb = y + r * ldy + n0;
-                    int64_t lines = 0, start = 0;
-                    if (g > 0 && share > 0) {
-                        start = (g - 1) * share + share * k0 / k;
-                        const int64_t end = start + (share * kc + k - 1) / k;
-                        lines = (end < next_lines ? end : next_lines) - start;
-                        if (lines < 0) lines = 0;
-                    }
+                    int64_t start;
+                    const int64_t lines = prefetch_lines(g, share, next_lines, k0, kc, k, &start);
 #if VL == 1
                     micro_scalar(xb, ldx, kc, pb, width, bu, yb, ldy, ncols, first, last, rows);
 #else
