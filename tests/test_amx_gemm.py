@@ -18,6 +18,8 @@ from minisgl_mp import LLM, SamplingParams
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.layers.linear import Linear
 
+from attention_cases import extend_case  # noqa: E402
+
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_ready(), reason="no AMX on this CPU (or no C compiler)")
 
 # (in, out): one 32-channel block; several blocks per thread; K long enough that a row chunk
@@ -131,29 +133,12 @@ def test_engine_runs_bfloat16_weights_on_the_tiles_unless_told_not_to(tiny_model
     assert counts[True] == len(linears) and counts[False] == 0
 
 
-def _extend_case(hq: int, hkv: int, d: int, seed: int):
-    """A ragged batch over scattered slots: fresh prompts, extends over a cached prefix longer
-    than the run, a one-token run, lengths around the kernel's 32-row and 64-key blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    cached = [0, 0, 5, 300, 0, 47]
-    q_lens = [17, 64, 100, 40, 1, 129]
-    kv_lens = [c + n for c, n in zip(cached, q_lens)]
-    slots = 1000
-    k = torch.randn(slots, hkv, d, generator=gen)
-    v = torch.randn(slots, hkv, d, generator=gen)
-    stride = max(kv_lens) + 3
-    kv_index = torch.stack([torch.randperm(slots, generator=gen)[:stride] for _ in q_lens])
-    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
-    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 2
-    return q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens)
-
-
 @needs_amx
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (8, 2, 64), (8, 1, 256), (4, 4, 64)])
 def test_amx_extend_attention_matches_the_float32_kernel(hq: int, hkv: int, d: int) -> None:
     """Q, K, V and the probabilities go through bfloat16 on the tiles (float32 softmax and
     sums): within bfloat16's rounding of the float32 kernel's output, every row filled."""
-    q, k, v, kv_index, q_start, q_len, kv_len = _extend_case(hq, hkv, d, hq * 100 + d)
+    q, k, v, kv_index, q_start, q_len, kv_len = extend_case(hq, hkv, d, hq * 100 + d)
     ref = torch.full_like(q, float("nan"))
     cpu_kernels.extend_attention(q, k, v, kv_index, q_start, q_len, kv_len, ref, d**-0.5)
     out = torch.full_like(q, float("nan"))
@@ -165,7 +150,7 @@ def test_amx_extend_attention_matches_the_float32_kernel(hq: int, hkv: int, d: i
 def test_amx_extend_attention_is_refused_where_it_cannot_run() -> None:
     if cpu_kernels.load("noamx") is None:
         pytest.skip("no C compiler")
-    q, k, v, kv_index, q_start, q_len, kv_len = _extend_case(4, 2, 64, 0)
+    q, k, v, kv_index, q_start, q_len, kv_len = extend_case(4, 2, 64, 0)
     with pytest.raises(RuntimeError, match="AMX attention is not available"):
         cpu_kernels.extend_attention(q, k, v, kv_index, q_start, q_len, kv_len, torch.empty_like(q), 0.125,
                                      isa="noamx", amx=True)

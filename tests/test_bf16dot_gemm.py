@@ -5,7 +5,9 @@ The kernel against float64 products of the same bfloat16 operands (x rounded to 
 the kernel does): row counts around its 8-row groups, channel counts around its 48-channel
 units and their 16-channel steps, a K longer than its block of K, with and without a bias and
 with strided rows; `Linear` choosing it for bfloat16 weights where AMX is not taken; the
-engine's `--no-cpu-bf16-dot` giving the widening path. In a build without AVX512-BF16 (the
+engine's `--no-cpu-bf16-dot` giving the widening path; prompt attention on the same
+instruction (kernels/csrc/bf16dot_attention.c) against the float32 kernel, and the cpu backend
+taking it only beside such products. In a build without AVX512-BF16 (the
 `avx2` one on every x86 CPU) the kernel reports itself unavailable and nothing uses it. The
 engine's tokens against transformers: tests/test_weight_formats.py, whose bfloat16 case runs
 this kernel on such CPUs; the decode plan's logits: tests/test_cpu_decode_plan.py.
@@ -21,6 +23,8 @@ import torch
 from minisgl_mp import LLM, SamplingParams
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.layers.linear import Linear
+
+from attention_cases import extend_case  # noqa: E402
 
 needs_dot = pytest.mark.skipif(not cpu_kernels.bf16dot_ready(), reason="no AVX512-BF16 on this CPU (or no C compiler)")
 # On an AMX CPU the tiles come first; the dot products are what --no-cpu-amx leaves.
@@ -136,3 +140,44 @@ def test_engine_runs_bfloat16_weights_on_the_dot_products_unless_told_not_to(tin
         outs = llm.generate(prompts, params)
         assert all(len(o["token_ids"]) == 8 for o in outs)
     assert counts[True] == len(linears) and counts[False] == 0
+
+
+@needs_dot
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (8, 2, 64), (8, 1, 256), (4, 4, 64), (6, 2, 32)])
+def test_dot_extend_attention_matches_the_float32_kernel(hq: int, hkv: int, d: int) -> None:
+    """Q, K, V and the probabilities go through bfloat16 on the dot products (float32 softmax
+    and sums), odd key tiles paired with zeros: within bfloat16's rounding of the float32
+    kernel's output, every row filled."""
+    q, k, v, kv_index, q_start, q_len, kv_len = extend_case(hq, hkv, d, hq * 100 + d)
+    ref = torch.full_like(q, float("nan"))
+    cpu_kernels.extend_attention(q, k, v, kv_index, q_start, q_len, kv_len, ref, d**-0.5)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.extend_attention(q, k, v, kv_index, q_start, q_len, kv_len, out, d**-0.5, dot=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=2e-2)
+
+
+def test_dot_extend_attention_is_refused_where_it_cannot_run() -> None:
+    if cpu_kernels.load("avx2") is None:
+        pytest.skip("no C compiler, or not an x86 CPU")
+    q, k, v, kv_index, q_start, q_len, kv_len = extend_case(4, 2, 64, 0)
+    with pytest.raises(RuntimeError, match="AVX512-BF16 attention is not available"):
+        cpu_kernels.extend_attention(q, k, v, kv_index, q_start, q_len, kv_len, torch.empty_like(q), 0.125,
+                                     isa="avx2", dot=True)
+
+
+@pytest.mark.timeout(240)
+def test_prompt_attention_takes_the_dot_products_only_beside_dot_products(tiny_model_dir: Path) -> None:
+    """bfloat16 weights on the dot products (--no-cpu-amx where AMX is at hand): the cpu
+    backend's long runs on them too; float32 weights or --no-cpu-bf16-dot: the float32 kernel."""
+    from minisgl_mp.attention.cpu import CpuBackend
+
+    for dtype, dot in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
+        llm = LLM(str(tiny_model_dir), device="cpu", num_pages=64, max_running_requests=2, dtype=dtype,
+                  cpu_amx=False, cpu_bf16_dot=dot)
+        backend = llm.scheduler.runner.backend
+        assert isinstance(backend, CpuBackend)
+        assert not backend.extend_amx
+        assert backend.extend_dot == (cpu_kernels.bf16dot_ready() and dtype == "bfloat16" and dot), (dtype, dot)
+        out = llm.generate([list(range(3, 60))], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert len(out[0]["token_ids"]) == 2

@@ -70,6 +70,7 @@ class CpuBackend(AttentionBackend):
                               and num_heads % num_kv_heads == 0)
         self.sdpa = SdpaBackend(pool, req_table, num_heads, num_kv_heads, head_dim, dtype=self.dtype)
         self.extend_amx = False
+        self.extend_dot = False
 
     def use_amx_extend(self) -> bool:
         """Run the long query runs on AMX tiles (csrc/amx_attention.c: Q, K, V and the
@@ -77,6 +78,13 @@ class CpuBackend(AttentionBackend):
         products already run there; returns whether this CPU, build and head dim allow it."""
         self.extend_amx = (self.extend_kernel and self.pool.k.shape[-1] <= 256 and cpu_kernel.amx_ready())
         return self.extend_amx
+
+    def use_dot_extend(self) -> bool:
+        """Run the long query runs on AVX512-BF16's dot products (csrc/bf16dot_attention.c, the
+        numerics of the AMX kernel), for a model whose linear products already run there;
+        returns whether this CPU and build allow it."""
+        self.extend_dot = self.extend_kernel and not self.extend_amx and cpu_kernel.bf16dot_ready()
+        return self.extend_dot
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
         lens = layout.extend_lens
@@ -111,7 +119,8 @@ class CpuBackend(AttentionBackend):
         if metadata.extend is not None:
             run = metadata.extend
             cpu_kernel.extend_attention(q, self.pool.k[layer_id], self.pool.v[layer_id], run.kv_index,
-                                        run.q_start, run.q_len, run.kv_len, out, self.scale, amx=self.extend_amx)
+                                        run.q_start, run.q_len, run.kv_len, out, self.scale, amx=self.extend_amx,
+                                        dot=self.extend_dot)
         if metadata.rest is not None:
             self.sdpa.attend(q, k, v, layer_id, metadata.rest, out)
         return out

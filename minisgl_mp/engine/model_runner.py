@@ -83,6 +83,9 @@ class ModelRunner:
         if isinstance(self.backend, CpuBackend) and any(m.amx is not None for m in linears) \
                 and self.backend.use_amx_extend():
             logger.info("prompt attention on AMX tiles, as the linear products")
+        if isinstance(self.backend, CpuBackend) and any(m.bf16dot is not None for m in linears) \
+                and self.backend.use_dot_extend():
+            logger.info("prompt attention on AVX512-BF16 dot products, as the linear products")
         logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
         self.cpu_decode: CpuDecodePlan | None = None
         if device.type == "cpu" and config.cpu_decode_plan and tp is None:

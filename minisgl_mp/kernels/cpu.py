@@ -4,8 +4,9 @@ paged attention (csrc/paged_attention.c) and its blocked form for long query run
 (csrc/fused_ops.c), the small-batch product with float32, 16-bit or int8 weights
 (csrc/weight_gemm.c), the register-tiled float32 product over packed weights for decode
 batches (csrc/packed_gemm.c), bfloat16 products and prompt attention on AMX tiles where the
-CPU has them (csrc/amx_gemm.c, csrc/amx_attention.c), bfloat16 products on AVX512-BF16's dot
-products where it has those but no AMX (csrc/bf16dot_gemm.c), and a probe of the machine's FMA
+CPU has them (csrc/amx_gemm.c, csrc/amx_attention.c), bfloat16 products and prompt attention
+on AVX512-BF16's dot products where it has those but no AMX (csrc/bf16dot_gemm.c,
+csrc/bf16dot_attention.c), and a probe of the machine's FMA
 ceiling for the benchmarks (csrc/fma_peak.c).
 
 The sources are compiled together with the system C compiler (a second or two) into one
@@ -125,6 +126,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.extend_attention_f32.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float]
     lib.extend_attention_amx.restype = ctypes.c_int
     lib.extend_attention_amx.argtypes = lib.extend_attention_f32.argtypes
+    lib.extend_attention_bf16dot.restype = ctypes.c_int
+    lib.extend_attention_bf16dot.argtypes = lib.extend_attention_f32.argtypes
     lib.add_rmsnorm_f32.restype = None
     lib.add_rmsnorm_f32.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, i64]
     lib.qk_norm_rope_f32.restype = None
@@ -214,12 +217,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                      q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
-                     scale: float, isa: str | None = None, amx: bool = False) -> None:
+                     scale: float, isa: str | None = None, amx: bool = False, dot: bool = False) -> None:
     """`paged_attention` for long query runs (prefill chunks, extends over a cached prefix):
     csrc/extend_attention.c blocks the query rows against tiles of keys. Same arguments, with
     k and v float32 only and a head dim that is a multiple of 32; `isa` picks a build (tests).
     `amx`: csrc/amx_attention.c instead, both products on AMX tiles in bfloat16 (float32
-    softmax and accumulation), head dim at most 256 (`amx_ready()` says where it runs)."""
+    softmax and accumulation), head dim at most 256 (`amx_ready()` says where it runs).
+    `dot`: csrc/bf16dot_attention.c, the same numerics on AVX512-BF16's dot products
+    (`bf16dot_ready()` says where it runs)."""
     lib = load(isa)
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -233,9 +238,12 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     if d % 32 or hq % hkv:
         raise ValueError(f"extend_attention needs a head dim that is a multiple of 32 and whole query groups, "
                          f"got head_dim {d}, {hq} / {hkv} heads")
-    fn = lib.extend_attention_amx if amx else lib.extend_attention_f32
+    fn = lib.extend_attention_amx if amx else lib.extend_attention_bf16dot if dot else lib.extend_attention_f32
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_index.data_ptr(), kv_index.shape[1], q_start.data_ptr(),
             q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), q_start.numel(), hq, hkv, d, scale)
+    if rc == -2 and dot:
+        raise RuntimeError(f"AVX512-BF16 attention is not available here (AVX512-BF16: "
+                           f"{bool(lib.bf16dot_gemm_ready())}, head_dim {d})")
     if rc == -2:
         raise RuntimeError(f"AMX attention is not available here (AMX: {bool(lib.amx_gemm_ready())}, head_dim {d})")
     if rc != 0:
