@@ -58,6 +58,8 @@ ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float1
                    # bfloat16 weights widened to float32 on a CPU with AMX (docs/benchmarks.md s.22)
                    # or with AVX512-BF16's dot products (s.23): neither 16-bit path
                    "bfloat16-noamx": {"dtype": "bfloat16", "cpu_amx": False, "cpu_bf16_dot": False},
+                   # bfloat16 weights and K/V, as vLLM's bfloat16 runs them (docs/benchmarks.md s.23)
+                   "bfloat16-kv-bf16": {"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
                    # glibc's malloc as it comes: large blocks unmapped on free (docs/benchmarks.md s.18)
                    "float32-malloc-default": {"dtype": "float32", "cpu_keep_freed_memory": False}}
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -90,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-variants", type=csv(ENGINE_VARIANTS), default=["float32"],
                    help="engine weight formats: float32 (the baseline, always first), float16, bfloat16, int8; "
                         "float32-malloc-default (float32 with --no-cpu-keep-freed-memory), bfloat16-noamx "
-                        "(bfloat16 widened: --no-cpu-amx --no-cpu-bf16-dot)")
+                        "(bfloat16 widened: --no-cpu-amx --no-cpu-bf16-dot), bfloat16-kv-bf16 (bfloat16 weights and "
+                        "KV cache)")
     p.add_argument("--vllm-dtypes", type=csv(VLLM_DTYPES), default=["float32"],
                    help="vLLM's dtypes: float32 (the float32 peer, always first), bfloat16 (vLLM's CPU default, "
                         "beside --engine-variants bfloat16)")
