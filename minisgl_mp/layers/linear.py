@@ -91,15 +91,14 @@ class Linear(nn.Module):
         self.cpu_gemm = (self.weight.device.type == "cpu" and self.weight.dtype in cpu_kernels.WEIGHT_FORMATS
                          and (self.bias is None or self.bias.dtype == torch.float32)
                          and cpu_kernels.load() is not None)
+        bias = None if self.bias is None else self.bias.data
         self.panels = (cpu_kernels.PackedWeight(self.weight.data)
                        if self.cpu_gemm and self.weight.dtype == torch.float32 else None)
-        self.stored = (cpu_kernels.StoredWeight(self.weight.data, self.weight_scale,
-                                                None if self.bias is None else self.bias.data)
+        self.stored = (cpu_kernels.StoredWeight(self.weight.data, self.weight_scale, bias)
                        if self.cpu_gemm and self.weight.dtype != torch.float32 else None)
-        self.amx = (cpu_kernels.AmxWeight(self.weight.data, None if self.bias is None else self.bias.data)
+        self.amx = (cpu_kernels.AmxWeight(self.weight.data, bias)
                     if amx and self.cpu_gemm and cpu_kernels.AmxWeight.fits(self.weight) and cpu_kernels.amx_ready()
                     else None)
-        bias = None if self.bias is None else self.bias.data
         self.bf16dot = (cpu_kernels.Bf16DotWeight(self.weight.data, bias)
                         if self.amx is None and bf16_dot and self.cpu_gemm
                         and cpu_kernels.Bf16DotWeight.fits(self.weight) and cpu_kernels.bf16dot_ready() else None)
