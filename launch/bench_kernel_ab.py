@@ -1,17 +1,20 @@
 """A/B of the C paged-attention kernel: the working tree's against the one at a git revision,
-built with the same flags, timed interleaved in one process on the same inputs.
+built with the same flags, timed interleaved in one process on the same inputs, beside a loop
+that only reads the same K/V rows (the memory's ceiling for this access pattern).
 
-    .venv/bin/python launch/bench_kernel_ab.py --baseline-rev 350efe3 --out bench_results/kernel_ab.json
+    .venv/bin/python launch/bench_kernel_ab.py --baseline-rev 4fb117d --layers 28 --out bench_results/kernel_ab.json
 
-Shapes are Qwen3-0.6B's heads (16 query / 8 KV heads of 128): decodes at batch 1, 2 and 64
-over 256-2048-token contexts, and a 64-token extend over a 1,088-token prefix. Prints new/old
-per shape (below 1: the working tree's kernel is faster). With `--layers 28` each timed call
-goes over 28 distinct layers of K/V, as a decode step does, so the cache is read from memory
-rather than from the CPU's caches (the default, 1, reuses one layer).
+Shapes are Qwen3-0.6B's heads (16 query / 8 KV heads of 128): decodes at batch 1, 2, 16 and 64
+over 256-2048-token contexts, and 16-token extends over 1,088-token prefixes (the longest query
+run the cpu backend gives this kernel). A request's
+slots are pages of `--page-size` slots in a shuffled order over the pool, as a pool hands them
+out after a while, and the pool is advised onto huge pages as the engine's is. Prints new/old
+per shape (below 1: the working tree's kernel is faster) and each one's GB/s of K/V. With
+`--layers 28` each timed call goes over 28 distinct layers of K/V, as a decode step does, so
+the cache is read from memory rather than from the CPU's caches (the default, 1, reuses one).
 
-The kernel's last argument is how a request is split over threads when requests are too few:
-by kv-head chunks before commit 52f307c, by key ranges since; both builds get the count from the
-same rule (double it while requests x count < 2 x threads).
+Both builds get the same key-split count (`kernels.cpu.default_key_splits`); each takes the
+headers of its own revision.
 """
 
 from __future__ import annotations
@@ -31,55 +34,127 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minisgl_mp.kernels import cpu  # noqa: E402
+from minisgl_mp.utils.memory import advise_huge_pages  # noqa: E402
 
-KERNEL = "minisgl_mp/kernels/csrc/paged_attention.c"
-SHAPES = ((1, 300, 1), (1, 2048, 1), (2, 2048, 1), (64, 256, 1), (64, 1024, 1), (4, 1088, 64))  # (requests, context, query tokens)
+CSRC = "minisgl_mp/kernels/csrc"
+KERNEL = f"{CSRC}/paged_attention.c"
+SHAPES = ((1, 300, 1), (1, 2048, 1), (2, 2048, 1), (16, 256, 1), (64, 256, 1), (64, 1024, 1),
+          (4, 1088, 16))  # (requests, context, query tokens)
 HQ, HKV, D = 16, 8, 128
 
+# Every K and V row of each request's keys summed, request by request over the threads, the
+# next rows prefetched as the kernel does: what reading those bytes alone costs.
+READER = r"""
+#include <stdint.h>
+float read_rows(const float *k, const float *v, const int64_t *kv_index, int64_t stride,
+                const int64_t *kv_len, int64_t batch, int64_t row) {
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+    typedef float vf __attribute__((vector_size(VW * 4)));
+    float total = 0.0f;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : total)
+    for (int64_t b = 0; b < batch; ++b) {
+        vf a = {0};
+        const int64_t *s = kv_index + b * stride;
+        for (int64_t t = 0; t < kv_len[b]; ++t) {
+            if (t + 8 < kv_len[b])
+                for (int64_t o = 0; o < row; o += 16) {
+                    __builtin_prefetch(k + s[t + 8] * row + o, 0, 2);
+                    __builtin_prefetch(v + s[t + 8] * row + o, 0, 2);
+                }
+            for (int64_t j = 0; j < row; j += VW) {
+                vf x, y;
+                __builtin_memcpy(&x, k + s[t] * row + j, sizeof x);
+                __builtin_memcpy(&y, v + s[t] * row + j, sizeof y);
+                a += x + y;
+            }
+        }
+        for (int i = 0; i < VW; ++i) total += a[i];
+    }
+    return total;
+}
+"""
 
-def build(source: str, out: Path) -> ctypes._NamedFuncPointer:
-    src = out.with_suffix(".c")
-    src.write_text(source)
-    subprocess.run(["cc", *cpu.CFLAGS, str(src), "-o", str(out), "-lm"], check=True)
-    fn = ctypes.CDLL(str(out)).paged_attention_f32
-    i64, vp = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_int
-    fn.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float, i64]
-    return fn
+
+def _sources(rev: str | None, dest: Path) -> Path:
+    """The kernel and the csrc headers at `rev` (None: the working tree), written into dest."""
+    dest.mkdir(parents=True)
+    names = [KERNEL] + [f"{CSRC}/{p.name}" for p in (REPO / CSRC).glob("*.h")]
+    for name in names:
+        if rev is None:
+            text = (REPO / name).read_text()
+        else:
+            got = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{name}"], capture_output=True, text=True)
+            if got.returncode != 0:
+                continue  # a header the revision did not have
+            text = got.stdout
+        (dest / Path(name).name).write_text(text)
+    return dest / Path(KERNEL).name
+
+
+def _build(src: Path, out: Path, symbol: str, isa: str) -> ctypes._CFuncPtr:
+    flags = [*cpu.CFLAGS, *cpu.ISA_FLAGS[isa], f"-I{src.parent}"]
+    subprocess.run(["cc", *flags, str(src), "-o", str(out), "-lm"], check=True)
+    return getattr(ctypes.CDLL(str(out)), symbol)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline-rev", required=True, help="git revision of the kernel to compare against")
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--layers", type=int, default=1, help="distinct layers of K/V each timed call goes over")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="threads for the kernels (default: torch's)")
+    ap.add_argument("--isa", choices=sorted(cpu.ISA_FLAGS), default="native",
+                    help="build both kernels for this vector ISA (avx2: the path of CPUs without AVX-512)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    old_src = subprocess.run(["git", "-C", str(REPO), "show", f"{args.baseline_rev}:{KERNEL}"],
-                             capture_output=True, text=True, check=True).stdout
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {"old": build(old_src, Path(tmp) / "old.so"), "new": build((REPO / KERNEL).read_text(), Path(tmp) / "new.so")}
+        fns = {}
+        for name, rev in (("old", args.baseline_rev), ("new", None)):
+            fn = _build(_sources(rev, Path(tmp) / name), Path(tmp) / f"{name}.so", "paged_attention_f32", args.isa)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float, i64]
+            fns[name] = fn
+        (Path(tmp) / "read.c").write_text(READER)
+        reader = _build(Path(tmp) / "read.c", Path(tmp) / "read.so", "read_rows", args.isa)
+        reader.restype = ctypes.c_float
+        reader.argtypes = [vp, vp, vp, i64, vp, i64, i64]
         rows = []
         for batch, ctx, nq in SHAPES:
-            if args.layers * 2 * (batch * ctx + 16) * HKV * D * 4 > 8 << 30:
+            page = args.page_size
+            pages = -(-ctx // page)
+            slots = batch * pages * page + 1
+            if args.layers * 2 * slots * HKV * D * 4 > 8 << 30:
                 print(f"{batch} x {ctx}: skipped (over 8 GiB of K/V with --layers {args.layers})")
                 continue
             gen = torch.Generator().manual_seed(0)
-            kv = [(torch.randn(batch * ctx + 16, HKV, D, generator=gen), torch.randn(batch * ctx + 16, HKV, D, generator=gen))
-                  for _ in range(args.layers)]
-            index = torch.arange(batch * ctx).view(batch, ctx).contiguous()
+            k = torch.empty(args.layers, slots, HKV, D)
+            v = torch.empty_like(k)
+            advise_huge_pages(k)
+            advise_huge_pages(v)
+            k.copy_(torch.randn(k.shape, generator=gen))
+            v.copy_(torch.randn(v.shape, generator=gen))
+            order = torch.randperm(batch * pages, generator=gen)
+            index = (order.view(batch, pages, 1) * page + torch.arange(page)).view(batch, pages * page).contiguous()
             q = torch.randn(batch * nq, HQ, D, generator=gen)
             out = torch.empty_like(q)
             q_start = torch.arange(batch, dtype=torch.int64) * nq
             q_len = torch.full((batch,), nq, dtype=torch.int64)
             kv_len = torch.full((batch,), ctx, dtype=torch.int64)
-            chunks = 1
-            while batch * chunks < 2 * torch.get_num_threads() and HKV % (chunks * 2) == 0:
-                chunks *= 2
-            calls = [(q.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), ctx, q_start.data_ptr(),
-                      q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), batch, HQ, HKV, D, D**-0.5, chunks)
-                     for k, v in kv]
-            times: dict[str, list[float]] = {"old": [], "new": []}
+            splits = cpu.default_key_splits(batch)
+            calls = [(q.data_ptr(), k[i].data_ptr(), v[i].data_ptr(), index.data_ptr(), index.shape[1],
+                      q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), batch, HQ, HKV, D,
+                      D**-0.5, splits) for i in range(args.layers)]
+            reads = [(k[i].data_ptr(), v[i].data_ptr(), index.data_ptr(), index.shape[1], kv_len.data_ptr(), batch,
+                      HKV * D) for i in range(args.layers)]
+            times: dict[str, list[float]] = {"old": [], "new": [], "read": []}
             for _ in range(args.repeats):
                 for name, fn in fns.items():
                     t = time.perf_counter()
@@ -87,16 +162,25 @@ def main() -> None:
                         if fn(*call) != 0:
                             raise RuntimeError(f"{name} kernel failed to allocate its scratch")
                     times[name].append((time.perf_counter() - t) / len(calls))
-            old_ms, new_ms = (sorted(times[n])[len(times[n]) // 2] * 1e3 for n in ("old", "new"))
-            rows.append({"requests": batch, "context": ctx, "query_tokens": nq, "old_ms": old_ms, "new_ms": new_ms,
-                         "new_over_old": new_ms / old_ms})
-            print(f"{batch:3d} requests x {ctx:5d} context, {nq:3d} query tokens: old {old_ms:8.2f} ms  "
-                  f"new {new_ms:8.2f} ms  new/old {new_ms / old_ms:.3f}", flush=True)
+                t = time.perf_counter()
+                for call in reads:
+                    reader(*call)
+                times["read"].append((time.perf_counter() - t) / len(reads))
+            med = {n: sorted(ts)[len(ts) // 2] * 1e3 for n, ts in times.items()}
+            gbps = {n: 2 * batch * ctx * HKV * D * 4 / (ms / 1e3) / 1e9 for n, ms in med.items()}
+            rows.append({"requests": batch, "context": ctx, "query_tokens": nq, "old_ms": med["old"],
+                         "new_ms": med["new"], "read_ms": med["read"], "new_over_old": med["new"] / med["old"],
+                         "gbps": gbps})
+            print(f"{batch:3d} requests x {ctx:5d} context, {nq:3d} query tokens: old {med['old']:8.2f} ms  "
+                  f"new {med['new']:8.2f} ms  new/old {med['new'] / med['old']:.3f}  "
+                  f"(GB/s: old {gbps['old']:.1f}, new {gbps['new']:.1f}, read only {gbps['read']:.1f})", flush=True)
+            del k, v
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"baseline_rev": args.baseline_rev, "threads": torch.get_num_threads(),
-                                        "layers": args.layers,
-                                        "rows": rows}, indent=2))
+        args.out.write_text(json.dumps({"baseline_rev": args.baseline_rev, "isa": args.isa,
+                                        "threads": torch.get_num_threads(),
+                                        "layers": args.layers, "page_size": args.page_size, "rows": rows},
+                                       indent=2))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,37 @@ def test_kernel_reads_a_bfloat16_pool_like_sdpa_on_the_widened_values(hq: int, h
         torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (6, 2, 48), (8, 8, 96), (4, 1, 256), (6, 2, 40)])
+def test_decode_kernel_on_every_vector_path(isa: str, kv_dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    """Decodes take keys in chunks, kv head by kv head, each head's query rows accumulating their
+    values in registers, in runs of the most vectors that divide the head dim: every build this
+    machine makes must match sdpa for head dims of 1-16 vectors and one that is no whole number
+    of them (40: the per-key path), query groups in pairs and odd ones (6 / 2: three a head),
+    and contexts ending inside a chunk, at a key tile (256) and past one; extends beside them."""
+    if cpu_kernel.load(isa) is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    gen = torch.Generator().manual_seed(hq * 1000 + d)
+    slots_total = 3000
+    k = torch.randn(slots_total, hkv, d, generator=gen).to(kv_dtype)
+    v = torch.randn(slots_total, hkv, d, generator=gen).to(kv_dtype)
+    q_lens = [1, 1, 1, 1, 1, 3, 1]
+    kv_lens = [1, 5, 16, 37, 256, 70, 600]
+    stride = max(kv_lens)
+    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
+    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
+    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    for key_splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out,
+                                   d**-0.5, key_splits, isa=isa)
+        for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
+            rows = slice(int(q_start[b]), int(q_start[b]) + nq)
+            want = reference(q[rows], k.float(), v.float(), kv_index[b, :nk], nq)
+            torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
+
+
 def test_bad_inputs_are_refused() -> None:
     q = torch.zeros(1, 2, 8)
     k = torch.zeros(4, 2, 8)

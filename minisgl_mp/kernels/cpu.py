@@ -181,15 +181,15 @@ def default_key_splits(batch: int) -> int:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
-                    scale: float, key_splits: int | None = None) -> None:
+                    scale: float, key_splits: int | None = None, isa: str | None = None) -> None:
     """out[rows of each request] = causal attention of its query rows over its paged KV.
 
     q, out: [T, Hq, D] float32; k, v: [S, Hkv, D] (one layer), float32 or bfloat16 (widened
     on load); kv_index: [B, stride] int64; q_start, q_len, kv_len: [B] int64. All contiguous,
     on the CPU. key_splits: the most key ranges a request is split into over threads (default:
-    enough to give every thread two work items).
+    enough to give every thread two work items). `isa` picks a build (tests).
     """
-    lib = load()
+    lib = load(isa)
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
     for name, t in (("q", q), ("out", out)):

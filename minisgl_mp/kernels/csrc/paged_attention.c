@@ -67,6 +67,19 @@ static inline float kv_at(const void *base, int64_t off, int bf16) {
     return f;
 }
 
+/* The keys of a tile that every query row sees (all of a decode's) go KEY_CHUNK at a time, kv
+ * head by kv head, and each load of a chunk's rows goes beside a prefetch of the same line in
+ * the row PF_AHEAD keys on, into L2 (PF_HINT; see stream_rows). */
+#ifndef KEY_CHUNK
+#define KEY_CHUNK 16
+#endif
+#ifndef PF_AHEAD
+#define PF_AHEAD KEY_CHUNK
+#endif
+#ifndef PF_HINT
+#define PF_HINT 2
+#endif
+
 /* One query row . one key (any d). */
 static inline float dot(const float *restrict q, const void *kv, int64_t off, int64_t n, int bf16) {
     float s = 0.0f;
@@ -123,9 +136,12 @@ static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float out[4]) {
  * FMA units busy and share the query loads (measured: the q.k pass was most of the kernel).
  * n must be a multiple of 16. GCC/Clang vector extensions: AVX-512, AVX2 or SSE as built. */
 static inline void dot4(const float *restrict q, const void *k, int64_t o0, int64_t o1, int64_t o2,
-                        int64_t o3, int64_t n, int bf16, float out[4]) {
+                        int64_t o3, int64_t n, int bf16, const char *const *pf, float out[4]) {
+    const int64_t es = bf16 ? 2 : 4;
     vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t j = 0; j < n; j += VW) {
+        if (pf && (j * es & 63) == 0) /* a line a row */
+            for (int c = 0; c < 4; ++c) __builtin_prefetch(pf[c] + j * es, 0, PF_HINT);
         const vf qv = vload(q + j);
         a0 += qv * kv_load(k, o0 + j, bf16);
         a1 += qv * kv_load(k, o1 + j, bf16);
@@ -138,10 +154,13 @@ static inline void dot4(const float *restrict q, const void *k, int64_t o0, int6
 /* dot4 for two query rows that share the keys (two query heads of one kv head): each key chunk
  * is loaded, and widened, once for both. */
 static inline void dot4x2(const float *restrict q0, const float *restrict q1, const void *k, int64_t o0,
-                          int64_t o1, int64_t o2, int64_t o3, int64_t n, int bf16, float out0[4],
-                          float out1[4]) {
+                          int64_t o1, int64_t o2, int64_t o3, int64_t n, int bf16, const char *const *pf,
+                          float out0[4], float out1[4]) {
+    const int64_t es = bf16 ? 2 : 4;
     vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
     for (int64_t j = 0; j < n; j += VW) {
+        if (pf && (j * es & 63) == 0) /* a line a row */
+            for (int c = 0; c < 4; ++c) __builtin_prefetch(pf[c] + j * es, 0, PF_HINT);
         const vf x = vload(q0 + j), y = vload(q1 + j);
         const vf k0 = kv_load(k, o0 + j, bf16), k1 = kv_load(k, o1 + j, bf16);
         const vf k2 = kv_load(k, o2 + j, bf16), k3 = kv_load(k, o3 + j, bf16);
@@ -175,11 +194,277 @@ static inline int64_t request_splits(int64_t nk, int64_t key_splits) {
     return key_splits < most ? key_splits : most > 1 ? most : 1;
 }
 
+/* Accumulator vectors a row keeps in registers in pv_rows: R rows x DC vectors plus DC loaded
+ * values must fit the register file (32 zmm; 16 ymm or xmm). */
+#if VW == 16
+#define PV_MAX_VECS 8
+#else
+#define PV_MAX_VECS 4
+#endif
+
+/* The rows the chunk of keys [c0, c0 + n) prefetches, one per key: those of the key KEY_CHUNK
+ * further on in this pass (rows of `cur`, keys before cur_end), and past the pass's end those
+ * of the next pass (rows of `nxt`, keys from nxt_start, before nxt_end); past both, the key's
+ * own row (in cache already). The chunked loops below issue one prefetch per cache line they
+ * load, at the same offset in these rows: a slot's row is a 4 KiB page for the 0.6B shape's
+ * heads in float32 and a request's slots lie scattered over the pool, and the hardware
+ * prefetchers stop at page boundaries, so without this each row would begin with a wait on
+ * memory. */
+static inline void stream_rows(const char **pf, int64_t c0, int64_t n, const int64_t *slots, int64_t row_bytes,
+                               const void *cur, int64_t cur_end, const void *nxt, int64_t nxt_start,
+                               int64_t nxt_end) {
+    for (int64_t c = 0; c < n; ++c) {
+        int64_t p = c0 + c + PF_AHEAD;
+        if (p < cur_end) {
+            pf[c] = (const char *)cur + slots[p] * row_bytes;
+            continue;
+        }
+        p = nxt_start + (p - cur_end);
+        pf[c] = p < nxt_end ? (const char *)nxt + slots[p] * row_bytes : (const char *)cur + slots[c0 + c] * row_bytes;
+    }
+}
+
+/* acc rows (R of them, acc_ld apart) += sum over n keys c of p[r][c] * V[slot c][off .. off +
+ * DC * VW): the R rows' accumulator vectors stay in registers over the keys, so each value is
+ * loaded once for the R query heads of its kv head and no accumulator is loaded or stored per
+ * key. R and DC are literals at every call site. */
+static inline __attribute__((always_inline)) void pv_rows(float *acc, int64_t acc_ld, const float *p, int64_t p_ld,
+                                                          const void *v, const int64_t *slots, int64_t n,
+                                                          int64_t row_elems, int64_t off, const char *const *pf,
+                                                          const int bf16, const int R, const int DC) {
+    const int64_t es = bf16 ? 2 : 4;
+    vf a[2][PV_MAX_VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int x = 0; x < DC; ++x) a[r][x] = vload(acc + r * acc_ld + x * VW);
+    for (int64_t c = 0; c < n; ++c) {
+        const int64_t o = slots[c] * row_elems + off;
+        if (pf)
+#pragma GCC unroll 8
+            for (int x = 0; x < DC; x += 64 / (VW * es) > 0 ? 64 / (VW * es) : 1)
+                __builtin_prefetch(pf[c] + (off + x * VW) * es, 0, PF_HINT);
+        vf w[PV_MAX_VECS];
+#pragma GCC unroll 8
+        for (int x = 0; x < DC; ++x) w[x] = kv_load(v, o + x * VW, bf16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const float pr = p[r * p_ld + c];
+#pragma GCC unroll 8
+            for (int x = 0; x < DC; ++x) a[r][x] += pr * w[x];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int x = 0; x < DC; ++x) memcpy(acc + r * acc_ld + x * VW, &a[r][x], sizeof(vf));
+}
+
+/* pv_rows over a whole head row of d elements, in runs of the most vectors that divide it. */
+static inline __attribute__((always_inline)) void pv_head(float *acc, int64_t acc_ld, const float *p, int64_t p_ld,
+                                                          const void *v, const int64_t *slots, int64_t n,
+                                                          int64_t row_elems, int64_t off, int64_t d,
+                                                          const char *const *pf, const int bf16, const int R) {
+    const int64_t vecs = d / VW;
+    const int dc = vecs % 8 == 0 && PV_MAX_VECS >= 8 ? 8 : vecs % 4 == 0 ? 4 : vecs % 2 == 0 ? 2 : 1;
+    for (int64_t j = 0; j < d; j += dc * VW) {
+        switch (dc) {
+        /* (8 only where the registers hold it: the case is never taken elsewhere) */
+        case 8: pv_rows(acc + j, acc_ld, p, p_ld, v, slots, n, row_elems, off + j, pf, bf16, R, PV_MAX_VECS); break;
+        case 4: pv_rows(acc + j, acc_ld, p, p_ld, v, slots, n, row_elems, off + j, pf, bf16, R, 4); break;
+        case 2: pv_rows(acc + j, acc_ld, p, p_ld, v, slots, n, row_elems, off + j, pf, bf16, R, 2); break;
+        default: pv_rows(acc + j, acc_ld, p, p_ld, v, slots, n, row_elems, off + j, pf, bf16, R, 1); break;
+        }
+    }
+}
+
+/* What one thread does for the work items it takes (see attend). `bf16` is a literal at both
+ * call sites, so each copy reads its pool's dtype without a test per load. */
+static inline __attribute__((always_inline)) void attend_items(
+    const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
+    const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
+    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits, int64_t max_rows, float *part,
+    int *failed, const int bf16) {
+    const int64_t groups = hq / hkv, row_elems = hkv * d, part_row = d + 2;
+    const int64_t esize = bf16 ? 2 : 4, row_bytes = row_elems * esize;
+    /* scores [rows, KEY_TILE], acc [rows, d], running max and sum [rows] */
+    float *scores = malloc(sizeof(float) * (size_t)(max_rows * KEY_TILE));
+    float *acc = malloc(sizeof(float) * (size_t)(max_rows * d));
+    float *run_max = malloc(sizeof(float) * (size_t)max_rows);
+    float *run_sum = malloc(sizeof(float) * (size_t)max_rows);
+    if (!scores || !acc || !run_max || !run_sum) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < batch * key_splits; ++w) {
+        int stop;
+#pragma omp atomic read
+        stop = *failed;
+        if (stop) continue;
+        const int64_t b = w / key_splits, split = w % key_splits;
+        const int64_t nq = q_len[b], nk = kv_len[b], first = nk - nq;
+        const int64_t splits = request_splits(nk, key_splits);
+        if (split >= splits) continue;
+        const int64_t per_split = (nk + splits - 1) / splits;
+        const int64_t ks = split * per_split, ke = ks + per_split < nk ? ks + per_split : nk;
+        const int64_t rows = nq * hq;                  /* row r = i * hq + head */
+        const int64_t *slots = kv_index + b * stride;
+        const float *qb = q + q_start[b] * hq * d;
+        memset(acc, 0, sizeof(float) * (size_t)(rows * d));
+        for (int64_t r = 0; r < rows; ++r) {
+            run_max[r] = -INFINITY;
+            run_sum[r] = 0.0f;
+        }
+        for (int64_t t0 = ks; t0 < ke; t0 += KEY_TILE) {
+            const int64_t t1 = t0 + KEY_TILE < ke ? t0 + KEY_TILE : ke;
+            /* [t0, all) are the keys of the tile every query row sees (all of a decode's). They
+             * go in chunks of KEY_CHUNK, kv head by kv head, each load of a chunk's rows beside
+             * a prefetch of the row PF_AHEAD keys on (stream_rows): the keys, then the values.
+             * Only the first query token's pass prefetches (an extend's later ones would only
+             * repeat it, at the cost of a load slot each). */
+            const int64_t all = first + 1 < t1 ? first + 1 : t1;
+            int64_t t = t0;
+            if (d % 16 == 0)
+                for (int64_t c0 = t0; c0 + 4 <= all; c0 += KEY_CHUNK) {
+                    const int64_t c1 = c0 + ((all - c0 < KEY_CHUNK ? all - c0 : KEY_CHUNK) & ~(int64_t)3);
+                    const char *pf[KEY_CHUNK];
+                    stream_rows(pf, c0, c1 - c0, slots, row_bytes, k, all, v, t0, all);
+                    for (int64_t h = 0; h < hkv; ++h) {
+                        const int64_t hb = h * d * esize;
+                        for (int64_t i = 0; i < nq; ++i) {
+                            int64_t qh = h * groups;
+                            const int64_t qe = qh + groups;
+                            for (; qh + 2 <= qe; qh += 2) /* query heads in pairs of one kv head */
+                                for (int64_t c = c0; c < c1; c += 4) {
+                                    const char *ph[4] = {pf[c - c0] + hb, pf[c - c0 + 1] + hb, pf[c - c0 + 2] + hb,
+                                                         pf[c - c0 + 3] + hb};
+                                    float s0[4], s1[4];
+                                    dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k,
+                                           slots[c] * row_elems + h * d, slots[c + 1] * row_elems + h * d,
+                                           slots[c + 2] * row_elems + h * d, slots[c + 3] * row_elems + h * d, d,
+                                           bf16, i == 0 ? ph : NULL, s0, s1);
+                                    float *row0 = scores + (i * hq + qh) * KEY_TILE + (c - t0);
+                                    float *row1 = row0 + KEY_TILE;
+                                    for (int x = 0; x < 4; ++x) {
+                                        row0[x] = s0[x] * scale;
+                                        row1[x] = s1[x] * scale;
+                                    }
+                                }
+                            for (; qh < qe; ++qh)
+                                for (int64_t c = c0; c < c1; c += 4) {
+                                    const char *ph[4] = {pf[c - c0] + hb, pf[c - c0 + 1] + hb, pf[c - c0 + 2] + hb,
+                                                         pf[c - c0 + 3] + hb};
+                                    float sc[4];
+                                    dot4(qb + (i * hq + qh) * d, k, slots[c] * row_elems + h * d,
+                                         slots[c + 1] * row_elems + h * d, slots[c + 2] * row_elems + h * d,
+                                         slots[c + 3] * row_elems + h * d, d, bf16, i == 0 ? ph : NULL, sc);
+                                    float *row = scores + (i * hq + qh) * KEY_TILE + (c - t0);
+                                    for (int x = 0; x < 4; ++x) row[x] = sc[x] * scale;
+                                }
+                        }
+                    }
+                    t = c1;
+                }
+            for (; t < t1; ++t) {
+                const int64_t kr = slots[t] * row_elems;
+                const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
+                for (int64_t i = i0; i < nq; ++i)
+                    for (int64_t qh = 0; qh < hq; ++qh)
+                        scores[(i * hq + qh) * KEY_TILE + (t - t0)] =
+                            dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
+            }
+            /* Online softmax over this tile: new max, rescale what was accumulated. */
+            for (int64_t r = 0; r < rows; ++r) {
+                const int64_t seen = first + r / hq + 1 - t0; /* keys of the tile row r sees */
+                if (seen <= 0) continue;
+                const int64_t n = seen < t1 - t0 ? seen : t1 - t0;
+                float *s = scores + r * KEY_TILE;
+                float m = run_max[r], sum = 0.0f;
+#pragma omp simd reduction(max : m)
+                for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < n; ++j) {
+                    s[j] = exp_nonpos(s[j] - m);
+                    sum += s[j];
+                }
+                if (m != run_max[r]) {
+                    const float corr = exp_nonpos(run_max[r] - m); /* 0 on the first tile */
+                    float *a = acc + r * d;
+#pragma omp simd
+                    for (int64_t j = 0; j < d; ++j) a[j] *= corr;
+                    run_sum[r] *= corr;
+                    run_max[r] = m;
+                }
+                run_sum[r] += sum;
+            }
+            /* The values of the keys every row weighs, chunk by chunk and kv head by kv head,
+             * each head's rows accumulating in registers (pv_rows). */
+            t = t0;
+            if (d % VW == 0) {
+                for (int64_t c0 = t0; c0 < all; c0 += KEY_CHUNK) {
+                    const int64_t c1 = c0 + KEY_CHUNK < all ? c0 + KEY_CHUNK : all;
+                    const char *pf[KEY_CHUNK]; /* then the next tile's keys */
+                    stream_rows(pf, c0, c1 - c0, slots, row_bytes, v, all, k, t1, ke);
+                    for (int64_t h = 0; h < hkv; ++h) {
+                        for (int64_t i = 0; i < nq; ++i) {
+                            int64_t qh = h * groups;
+                            const int64_t qe = qh + groups;
+                            for (; qh + 2 <= qe; qh += 2) {
+                                const int64_t r = i * hq + qh;
+                                pv_head(acc + r * d, d, scores + r * KEY_TILE + (c0 - t0), KEY_TILE, v, slots + c0,
+                                        c1 - c0, row_elems, h * d, d, i == 0 ? pf : NULL, bf16, 2);
+                            }
+                            for (; qh < qe; ++qh) {
+                                const int64_t r = i * hq + qh;
+                                pv_head(acc + r * d, d, scores + r * KEY_TILE + (c0 - t0), KEY_TILE, v, slots + c0,
+                                        c1 - c0, row_elems, h * d, d, i == 0 ? pf : NULL, bf16, 1);
+                            }
+                        }
+                    }
+                }
+                t = all > t0 ? all : t0;
+            }
+            for (; t < t1; ++t) {
+                const int64_t vr = slots[t] * row_elems;
+                const int64_t i0 = t > first ? t - first : 0;
+                for (int64_t r = i0 * hq; r < rows; ++r) {
+                    const float p = scores[r * KEY_TILE + (t - t0)];
+                    const int64_t vh = vr + ((r % hq) / groups) * d;
+                    float *a = acc + r * d;
+#pragma omp simd
+                    for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
+                }
+            }
+        }
+        if (splits > 1) {  /* the merge pass below finishes it */
+            float *pb = part + (b * key_splits + split) * max_rows * part_row;
+            for (int64_t r = 0; r < rows; ++r) {
+                memcpy(pb + r * part_row, acc + r * d, sizeof(float) * (size_t)d);
+                pb[r * part_row + d] = run_max[r];
+                pb[r * part_row + d + 1] = run_sum[r];
+            }
+            continue;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const float inv = 1.0f / run_sum[r];
+            float *a = acc + r * d;
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) a[j] *= inv;
+        }
+        for (int64_t i = 0; i < nq; ++i)
+            memcpy(out + (q_start[b] + i) * hq * d, acc + i * hq * d, sizeof(float) * (size_t)(hq * d));
+    }
+    free(scores);
+    free(acc);
+    free(run_max);
+    free(run_sum);
+}
+
 static inline __attribute__((always_inline)) int attend(
     const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
     const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
     int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits, const int bf16) {
-    const int64_t groups = hq / hkv;
     /* A work item is (request, range of its keys), over every head: a slot's heads are
      * adjacent, so an item's reads run along memory, and the query heads of a kv head share
      * its loads. Requests are split by keys (up to key_splits ranges of MIN_SPLIT_KEYS or
@@ -205,150 +490,14 @@ static inline __attribute__((always_inline)) int attend(
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
 #endif
-        /* scores [rows, KEY_TILE], acc [rows, d], running max and sum [rows] */
-        float *scores = malloc(sizeof(float) * (size_t)(max_rows * KEY_TILE));
-        float *acc = malloc(sizeof(float) * (size_t)(max_rows * d));
-        float *run_max = malloc(sizeof(float) * (size_t)max_rows);
-        float *run_sum = malloc(sizeof(float) * (size_t)max_rows);
-        if (!scores || !acc || !run_max || !run_sum) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < batch * key_splits; ++w) {
-            int stop;
-#pragma omp atomic read
-            stop = failed;
-            if (stop) continue;
-            const int64_t b = w / key_splits, split = w % key_splits;
-            const int64_t nq = q_len[b], nk = kv_len[b], first = nk - nq;
-            const int64_t splits = request_splits(nk, key_splits);
-            if (split >= splits) continue;
-            const int64_t per_split = (nk + splits - 1) / splits;
-            const int64_t ks = split * per_split, ke = ks + per_split < nk ? ks + per_split : nk;
-            const int64_t rows = nq * hq;                  /* row r = i * hq + head */
-            const int64_t *slots = kv_index + b * stride;
-            const float *qb = q + q_start[b] * hq * d;
-            memset(acc, 0, sizeof(float) * (size_t)(rows * d));
-            for (int64_t r = 0; r < rows; ++r) {
-                run_max[r] = -INFINITY;
-                run_sum[r] = 0.0f;
-            }
-            for (int64_t t0 = ks; t0 < ke; t0 += KEY_TILE) {
-                const int64_t t1 = t0 + KEY_TILE < ke ? t0 + KEY_TILE : ke;
-                int64_t t = t0;
-                /* Blocks of four keys that every query row sees (all of a decode's keys). */
-                if (d % 16 == 0)
-                    for (; t + 4 <= first + 1 && t + 4 <= t1; t += 4) {
-                        const int64_t o0 = slots[t] * hkv * d, o1 = slots[t + 1] * hkv * d;
-                        const int64_t o2 = slots[t + 2] * hkv * d, o3 = slots[t + 3] * hkv * d;
-                        for (int64_t i = 0; i < nq; ++i) {
-                            int64_t qh = 0;
-                            if (groups % 2 == 0) /* query heads in pairs of one kv head */
-                                for (; qh < hq; qh += 2) {
-                                    const int64_t off = (qh / groups) * d;
-                                    float s0[4], s1[4];
-                                    dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k, o0 + off,
-                                           o1 + off, o2 + off, o3 + off, d, bf16, s0, s1);
-                                    float *row0 = scores + (i * hq + qh) * KEY_TILE + (t - t0);
-                                    float *row1 = row0 + KEY_TILE;
-                                    for (int c = 0; c < 4; ++c) {
-                                        row0[c] = s0[c] * scale;
-                                        row1[c] = s1[c] * scale;
-                                    }
-                                }
-                            for (; qh < hq; ++qh) {
-                                const int64_t off = (qh / groups) * d;
-                                float sc[4];
-                                dot4(qb + (i * hq + qh) * d, k, o0 + off, o1 + off, o2 + off, o3 + off, d, bf16,
-                                     sc);
-                                float *row = scores + (i * hq + qh) * KEY_TILE + (t - t0);
-                                for (int c = 0; c < 4; ++c) row[c] = sc[c] * scale;
-                            }
-                        }
-                    }
-                for (; t < t1; ++t) {
-                    const int64_t kr = slots[t] * hkv * d;
-                    const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
-                    for (int64_t i = i0; i < nq; ++i)
-                        for (int64_t qh = 0; qh < hq; ++qh)
-                            scores[(i * hq + qh) * KEY_TILE + (t - t0)] =
-                                dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
-                }
-                /* Online softmax over this tile: new max, rescale what was accumulated. */
-                for (int64_t r = 0; r < rows; ++r) {
-                    const int64_t seen = first + r / hq + 1 - t0; /* keys of the tile row r sees */
-                    if (seen <= 0) continue;
-                    const int64_t n = seen < t1 - t0 ? seen : t1 - t0;
-                    float *s = scores + r * KEY_TILE;
-                    float m = run_max[r], sum = 0.0f;
-#pragma omp simd reduction(max : m)
-                    for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < n; ++j) {
-                        s[j] = exp_nonpos(s[j] - m);
-                        sum += s[j];
-                    }
-                    if (m != run_max[r]) {
-                        const float corr = exp_nonpos(run_max[r] - m); /* 0 on the first tile */
-                        float *a = acc + r * d;
-#pragma omp simd
-                        for (int64_t j = 0; j < d; ++j) a[j] *= corr;
-                        run_sum[r] *= corr;
-                        run_max[r] = m;
-                    }
-                    run_sum[r] += sum;
-                }
-                t = t0;
-                /* Blocks of four values that every row weighs (all of a decode's): each
-                 * accumulator chunk is loaded and stored once per four tokens, not once per token. */
-                if (d % 16 == 0)
-                    for (; t + 4 <= first + 1 && t + 4 <= t1; t += 4) {
-                        const int64_t o0 = slots[t] * hkv * d, o1 = slots[t + 1] * hkv * d;
-                        const int64_t o2 = slots[t + 2] * hkv * d, o3 = slots[t + 3] * hkv * d;
-                        for (int64_t r = 0; r < rows; ++r) {
-                            const float *p = scores + r * KEY_TILE + (t - t0);
-                            const int64_t off = ((r % hq) / groups) * d;
-                            float *a = acc + r * d;
-                            for (int64_t j = 0; j < d; j += VW) {
-                                const vf x = vload(a + j) + p[0] * kv_load(v, o0 + off + j, bf16) +
-                                             p[1] * kv_load(v, o1 + off + j, bf16) +
-                                             p[2] * kv_load(v, o2 + off + j, bf16) +
-                                             p[3] * kv_load(v, o3 + off + j, bf16);
-                                memcpy(a + j, &x, sizeof x);
-                            }
-                        }
-                    }
-                for (; t < t1; ++t) {
-                    const int64_t vr = slots[t] * hkv * d;
-                    const int64_t i0 = t > first ? t - first : 0;
-                    for (int64_t r = i0 * hq; r < rows; ++r) {
-                        const float p = scores[r * KEY_TILE + (t - t0)];
-                        const int64_t vh = vr + ((r % hq) / groups) * d;
-                        float *a = acc + r * d;
-#pragma omp simd
-                        for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
-                    }
-                }
-            }
-            if (splits > 1) {  /* the merge pass below finishes it */
-                float *pb = part + (b * key_splits + split) * max_rows * part_row;
-                for (int64_t r = 0; r < rows; ++r) {
-                    memcpy(pb + r * part_row, acc + r * d, sizeof(float) * (size_t)d);
-                    pb[r * part_row + d] = run_max[r];
-                    pb[r * part_row + d + 1] = run_sum[r];
-                }
-                continue;
-            }
-            for (int64_t r = 0; r < rows; ++r) {
-                const float inv = 1.0f / run_sum[r];
-                float *a = acc + r * d;
-#pragma omp simd
-                for (int64_t j = 0; j < d; ++j) a[j] *= inv;
-            }
-            for (int64_t i = 0; i < nq; ++i)
-                memcpy(out + (q_start[b] + i) * hq * d, acc + i * hq * d, sizeof(float) * (size_t)(hq * d));
-        }
+        /* Within the parallel region a const argument is a shared variable, not a constant:
+         * branch once here so that each copy of the work is compiled for its dtype. */
+        if (bf16)
+            attend_items(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
+                         key_splits, max_rows, part, &failed, 1);
+        else
+            attend_items(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
+                         key_splits, max_rows, part, &failed, 0);
         if (part) {
             /* Merge each split request's partials: weights exp(max_s - max) rescale each
              * split's accumulator and sum to the common max. A split none of whose keys a row
@@ -383,10 +532,6 @@ static inline __attribute__((always_inline)) int attend(
                 for (int64_t j = 0; j < d; ++j) o[j] *= inv;
             }
         }
-        free(scores);
-        free(acc);
-        free(run_max);
-        free(run_sum);
 #if defined(__SSE__)
         _mm_setcsr(csr);
 #endif
