@@ -12,7 +12,7 @@
  * in vector accumulators for the whole of K, each step along K taking a pair of inputs (the
  * unit's UW x 2 weights, contiguous thanks to the packing, and one broadcast 32-bit pair of x
  * per row). A unit's block of K stays in L2 while the row groups of x pass over it, and the
- * later passes prefetch the thread's next unit into L2, as there.
+ * passes prefetch the thread's next unit into L2, as there.
  *
  * Packed layout (bf16dot_gemm_pack), K even: output channels in units of UW (the last may be
  * narrower, in steps of 16, zero-padded past N); unit u of width w holds K / 2 pairs of inputs
@@ -72,7 +72,7 @@ int bf16dot_gemm_unit(void) { return UW; }
  * while the row groups pass over it; every K of the 0.6B-4B shapes but the 4B's down
  * projection is one block. Even, so a block holds whole pairs. */
 #define KC 4096
-#define PF 8 /* pairs of K to prefetch the weights ahead: the first row group reads memory */
+#define PF 8 /* pairs of K to prefetch the weights ahead, for a pass whose unit is not yet in L2 */
 
 int bf16dot_gemm_ready(void) { return 1; }
 
@@ -185,8 +185,8 @@ int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const u
             const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
             const uint16_t *panel = packed + n0 * k;
             const float *bu = bias ? bias + n0 : NULL;
-            /* The thread's next unit, fetched into L2 by the passes of row groups 1.. over this
-             * one: group g takes its share of the lines, spread over the blocks of K. */
+            /* The thread's next unit, fetched into L2 by the row groups' passes over this one:
+             * group g takes its share of the lines, spread over the blocks of K. */
             const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 2 / 64 : 0;
             const int64_t share = prefetch_share(next_lines, groups);
             const char *next = (const char *)(packed + (n0 + UW) * k);

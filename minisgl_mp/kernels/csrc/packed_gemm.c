@@ -9,9 +9,9 @@
  * of x times a unit of UW output channels are held in vector accumulators for the whole of K;
  * each step along K loads the unit's UW weights (contiguous, thanks to the packing) and
  * broadcasts one x value per row. A unit's block of K stays in L2 while the row groups of x
- * pass over it, so W is read from memory once per call. Only the first row group's pass waits
- * on memory; the later passes compute from L2, and they prefetch the thread's next unit into
- * L2 as they go, so its first pass does not wait either (docs/benchmarks.md section 19).
+ * pass over it, so W is read from memory once per call, and the passes prefetch the thread's
+ * next unit into L2 as they go, so that its passes do not wait on memory either
+ * (csrc/panel_prefetch.h; docs/benchmarks.md sections 19 and 24).
  *
  * Packed layout (packed_gemm_pack): output channels in units of UW (the last one may be
  * narrower, in steps of 16, zero-padded past N); unit u holds K rows of its width,
@@ -92,7 +92,8 @@ static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 #ifndef KC
 #define KC 2048
 #endif
-/* Steps of K to prefetch the weights ahead: the first row group reads them from memory. */
+/* Steps of K to prefetch the weights ahead, for a pass that finds its unit not yet in L2 (one
+ * row group alone, or the thread's first unit): it reads them from memory. */
 #ifndef PF
 #define PF 16
 #endif
@@ -221,8 +222,8 @@ void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const fl
             const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
             const float *panel = panels + n0 * k;
             const float *bu = bias ? bias + n0 : NULL;
-            /* The thread's next unit, fetched into L2 by the passes of row groups 1.. over this
-             * one: group g takes its share of the lines, spread over the blocks of K. */
+            /* The thread's next unit, fetched into L2 by the row groups' passes over this one:
+             * group g takes its share of the lines, spread over the blocks of K. */
             const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 4 / 64 : 0;
             const int64_t share = prefetch_share(next_lines, groups);
             const char *next = (const char *)(panels + (n0 + UW) * k);
