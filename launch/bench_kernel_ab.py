@@ -15,6 +15,13 @@ the cache is read from memory rather than from the CPU's caches (the default, 1,
 
 Both builds get the same key-split count (`kernels.cpu.default_key_splits`); each takes the
 headers of its own revision.
+
+`--kernel panels` (csrc/packed_gemm.c, float32) or `--kernel bf16dot` (csrc/bf16dot_gemm.c, on
+CPUs with AVX512-BF16) A/Bs a product kernel instead: each build packs the Qwen3-0.6B products
+of `--layers` layers (qkv, o, gate_up, down) and the LM head, and a timed call is that chain
+on `--rows` rows of x, as a decode step's products are:
+
+    .venv/bin/python launch/bench_kernel_ab.py --kernel panels --baseline-rev 4fb117d --layers 28 --rows 1,8,12,16,32,64
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ KERNEL = f"{CSRC}/paged_attention.c"
 SHAPES = ((1, 300, 1), (1, 2048, 1), (2, 2048, 1), (16, 256, 1), (64, 256, 1), (64, 1024, 1),
           (4, 1088, 16))  # (requests, context, query tokens)
 HQ, HKV, D = 16, 8, 128
+# (out, in) of a Qwen3-0.6B layer's products (fused qkv and gate/up), and of its LM head
+LAYER_PRODUCTS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
+LM_HEAD = (151936, 1024)
+PRODUCT_KERNELS = {"panels": ("packed_gemm.c", "packed_gemm_pack", "packed_gemm_f32", torch.float32),
+                   "bf16dot": ("bf16dot_gemm.c", "bf16dot_gemm_pack", "bf16dot_gemm_bf16", torch.bfloat16)}
 
 # Every K and V row of each request's keys summed, request by request over the threads, the
 # next rows prefetched as the kernel does: what reading those bytes alone costs.
@@ -79,10 +91,10 @@ float read_rows(const float *k, const float *v, const int64_t *kv_index, int64_t
 """
 
 
-def _sources(rev: str | None, dest: Path) -> Path:
+def _sources(rev: str | None, dest: Path, kernel: str = KERNEL) -> Path:
     """The kernel and the csrc headers at `rev` (None: the working tree), written into dest."""
     dest.mkdir(parents=True)
-    names = [KERNEL] + [f"{CSRC}/{p.name}" for p in (REPO / CSRC).glob("*.h")]
+    names = [kernel] + [f"{CSRC}/{p.name}" for p in (REPO / CSRC).glob("*.h")]
     for name in names:
         if rev is None:
             text = (REPO / name).read_text()
@@ -92,13 +104,58 @@ def _sources(rev: str | None, dest: Path) -> Path:
                 continue  # a header the revision did not have
             text = got.stdout
         (dest / Path(name).name).write_text(text)
-    return dest / Path(KERNEL).name
+    return dest / Path(kernel).name
 
 
 def _build(src: Path, out: Path, symbol: str, isa: str) -> ctypes._CFuncPtr:
     flags = [*cpu.CFLAGS, *cpu.ISA_FLAGS[isa], f"-I{src.parent}"]
     subprocess.run(["cc", *flags, str(src), "-o", str(out), "-lm"], check=True)
     return getattr(ctypes.CDLL(str(out)), symbol)
+
+
+def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """The product chain of `args.layers` layers and the LM head, old build against new."""
+    source, pack_name, gemm_name, wdtype = PRODUCT_KERNELS[args.kernel]
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    shapes = [*LAYER_PRODUCTS * args.layers, LM_HEAD]
+    gen = torch.Generator().manual_seed(0)
+    weights = {shape: (torch.randn(shape, generator=gen) * 0.05).to(wdtype) for shape in set(shapes)}
+    chains = {}
+    for name, rev in (("old", args.baseline_rev), ("new", None)):
+        src = _sources(rev, tmp / name, f"{CSRC}/{source}")
+        pack = _build(src, tmp / f"{name}.so", pack_name, args.isa)
+        lib = ctypes.CDLL(str(tmp / f"{name}.so"))
+        gemm = getattr(lib, gemm_name)
+        pack.argtypes, gemm.argtypes = [vp, i64, i64, vp], [vp, i64, i64, i64, vp, i64, vp, vp, i64]
+        pack.restype = gemm.restype = None if args.kernel == "panels" else ctypes.c_int
+        packed = []
+        for n, k in shapes:
+            buf = torch.empty(-(-n // 48) * 48 * k, dtype=wdtype)  # room for either kernel's padding
+            advise_huge_pages(buf)
+            w = weights[(n, k)]
+            if pack(w.data_ptr(), n, k, buf.data_ptr()) not in (None, 0):
+                raise RuntimeError(f"{name} {pack_name} refused a {n} x {k} weight")
+            packed.append((buf, n, k))
+        chains[name] = (gemm, packed)
+    rows = []
+    for m in args.rows:
+        x = torch.randn(m, max(k for _, k in shapes), generator=gen)
+        y = torch.empty(m, max(n for n, _ in shapes))
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for _ in range(args.repeats):
+            for name, (gemm, packed) in chains.items():
+                t = time.perf_counter()
+                for buf, n, k in packed:
+                    gemm(x.data_ptr(), m, k, x.shape[1], buf.data_ptr(), n, None, y.data_ptr(), y.shape[1])
+                times[name].append(time.perf_counter() - t)
+        med = {n: sorted(ts)[len(ts) // 2] * 1e3 for n, ts in times.items()}
+        wbytes = sum(n * k for n, k in shapes) * weights[LM_HEAD].element_size()
+        gbps = {n: wbytes / (ms / 1e3) / 1e9 for n, ms in med.items()}
+        rows.append({"rows": m, "old_ms": med["old"], "new_ms": med["new"], "new_over_old": med["new"] / med["old"],
+                     "weight_gbps": gbps})
+        print(f"{m:4d} rows: old {med['old']:8.2f} ms  new {med['new']:8.2f} ms  new/old {med['new'] / med['old']:.3f}  "
+              f"(weight GB/s: old {gbps['old']:.1f}, new {gbps['new']:.1f})", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -110,11 +167,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="threads for the kernels (default: torch's)")
     ap.add_argument("--isa", choices=sorted(cpu.ISA_FLAGS), default="native",
                     help="build both kernels for this vector ISA (avx2: the path of CPUs without AVX-512)")
+    ap.add_argument("--kernel", choices=["attention", *PRODUCT_KERNELS], default="attention")
+    ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 32, 64],
+                    help="rows of x for a product kernel")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
     i64, vp = ctypes.c_int64, ctypes.c_void_p
+    if args.kernel != "attention":
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = products_ab(args, Path(tmp))
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"kernel": args.kernel, "baseline_rev": args.baseline_rev, "isa": args.isa,
+                                            "threads": torch.get_num_threads(), "layers": args.layers, "rows": rows},
+                                           indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         fns = {}
         for name, rev in (("old", args.baseline_rev), ("new", None)):
