@@ -69,7 +69,8 @@ static inline float kv_at(const void *base, int64_t off, int bf16) {
 
 /* The keys of a tile that every query row sees (all of a decode's) go KEY_CHUNK at a time, kv
  * head by kv head, and each load of a chunk's rows goes beside a prefetch of the same line in
- * the row PF_AHEAD keys on, into L2 (PF_HINT; see stream_rows). */
+ * the row PF_AHEAD keys on, into L2 (PF_HINT; see stream_rows). Chunks and distances of 8 to
+ * 32 keys measured alike on the Zen 5 of docs/benchmarks.md section 24. */
 #ifndef KEY_CHUNK
 #define KEY_CHUNK 16
 #endif
@@ -202,7 +203,7 @@ static inline int64_t request_splits(int64_t nk, int64_t key_splits) {
 #define PV_MAX_VECS 4
 #endif
 
-/* The rows the chunk of keys [c0, c0 + n) prefetches, one per key: those of the key KEY_CHUNK
+/* The rows the chunk of keys [c0, c0 + n) prefetches, one per key: those of the key PF_AHEAD
  * further on in this pass (rows of `cur`, keys before cur_end), and past the pass's end those
  * of the next pass (rows of `nxt`, keys from nxt_start, before nxt_end); past both, the key's
  * own row (in cache already). The chunked loops below issue one prefetch per cache line they
