@@ -107,10 +107,10 @@ def _sources(rev: str | None, dest: Path, kernel: str = KERNEL) -> Path:
     return dest / Path(kernel).name
 
 
-def _build(src: Path, out: Path, symbol: str, isa: str) -> ctypes._CFuncPtr:
+def _build(src: Path, out: Path, isa: str) -> ctypes.CDLL:
     flags = [*cpu.CFLAGS, *cpu.ISA_FLAGS[isa], f"-I{src.parent}"]
     subprocess.run(["cc", *flags, str(src), "-o", str(out), "-lm"], check=True)
-    return getattr(ctypes.CDLL(str(out)), symbol)
+    return ctypes.CDLL(str(out))
 
 
 def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
@@ -123,9 +123,8 @@ def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
     chains = {}
     for name, rev in (("old", args.baseline_rev), ("new", None)):
         src = _sources(rev, tmp / name, f"{CSRC}/{source}")
-        pack = _build(src, tmp / f"{name}.so", pack_name, args.isa)
-        lib = ctypes.CDLL(str(tmp / f"{name}.so"))
-        gemm = getattr(lib, gemm_name)
+        lib = _build(src, tmp / f"{name}.so", args.isa)
+        pack, gemm = getattr(lib, pack_name), getattr(lib, gemm_name)
         pack.argtypes, gemm.argtypes = [vp, i64, i64, vp], [vp, i64, i64, i64, vp, i64, vp, vp, i64]
         pack.restype = gemm.restype = None if args.kernel == "panels" else ctypes.c_int
         packed = []
@@ -187,12 +186,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fns = {}
         for name, rev in (("old", args.baseline_rev), ("new", None)):
-            fn = _build(_sources(rev, Path(tmp) / name), Path(tmp) / f"{name}.so", "paged_attention_f32", args.isa)
+            fn = _build(_sources(rev, Path(tmp) / name), Path(tmp) / f"{name}.so", args.isa).paged_attention_f32
             fn.restype = ctypes.c_int
             fn.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float, i64]
             fns[name] = fn
         (Path(tmp) / "read.c").write_text(READER)
-        reader = _build(Path(tmp) / "read.c", Path(tmp) / "read.so", "read_rows", args.isa)
+        reader = _build(Path(tmp) / "read.c", Path(tmp) / "read.so", args.isa).read_rows
         reader.restype = ctypes.c_float
         reader.argtypes = [vp, vp, vp, i64, vp, i64, i64]
         rows = []

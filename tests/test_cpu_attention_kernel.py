@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from minisgl_mp.kernels import cpu as cpu_kernel
 from minisgl_mp.attention.cpu import KERNEL_MAX_QUERY
+from attention_cases import ragged_batch
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel cannot be built")
 
@@ -30,16 +31,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
 @pytest.mark.parametrize("key_splits", [None, 1, 3, 8])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 128), (16, 8, 128), (6, 1, 32)])
 def test_kernel_matches_sdpa(hq: int, hkv: int, d: int, key_splits: int | None) -> None:
-    gen = torch.Generator().manual_seed(hq * 100 + d)
-    slots_total = 5000
-    k = torch.randn(slots_total, hkv, d, generator=gen)
-    v = torch.randn(slots_total, hkv, d, generator=gen)
     q_lens = [1, 1, 4, KERNEL_MAX_QUERY, 1, 7]
     kv_lens = [1, 300, 4, KERNEL_MAX_QUERY + 40, 17, 700]
-    stride = max(kv_lens) + 5
-    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
-    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
-    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3  # peaky softmax too
+    q, k, v, kv_index, q_start, _, _ = ragged_batch(hq, hkv, d, q_lens, kv_lens, 5000, hq * 100 + d, 3.0,
+                                                    stride=max(kv_lens) + 5)  # q * 3: peaky softmax too
     out = torch.full_like(q, float("nan"))
     cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5,
                                key_splits)
@@ -74,13 +69,9 @@ def test_kernel_reads_a_bfloat16_pool_like_sdpa_on_the_widened_values(hq: int, h
                                                                        key_splits: int | None) -> None:
     """With --kv-cache-dtype bfloat16 the kernel widens K/V on load: it must agree with float32
     attention over the same (bfloat16-rounded) values, on the vector path and the scalar one."""
-    gen = torch.Generator().manual_seed(7)
-    k = torch.randn(3000, hkv, d, generator=gen).bfloat16()
-    v = torch.randn(3000, hkv, d, generator=gen).bfloat16()
     q_lens, kv_lens = [1, 1, 5, 1], [1, 257, 90, 33]
-    kv_index = torch.stack([torch.randperm(3000, generator=gen)[:300] for _ in q_lens])
-    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
-    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    q, k, v, kv_index, q_start, _, _ = ragged_batch(hq, hkv, d, q_lens, kv_lens, 3000, 7, 3.0, stride=300,
+                                                    kv_dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5,
                                key_splits)
@@ -101,16 +92,10 @@ def test_decode_kernel_on_every_vector_path(isa: str, kv_dtype: torch.dtype, hq:
     and contexts ending inside a chunk, at a key tile (256) and past one; extends beside them."""
     if cpu_kernel.load(isa) is None:
         pytest.skip("no C compiler: the kernels are not built here")
-    gen = torch.Generator().manual_seed(hq * 1000 + d)
-    slots_total = 3000
-    k = torch.randn(slots_total, hkv, d, generator=gen).to(kv_dtype)
-    v = torch.randn(slots_total, hkv, d, generator=gen).to(kv_dtype)
     q_lens = [1, 1, 1, 1, 1, 3, 1]
     kv_lens = [1, 5, 16, 37, 256, 70, 600]
-    stride = max(kv_lens)
-    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
-    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
-    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    q, k, v, kv_index, q_start, _, _ = ragged_batch(hq, hkv, d, q_lens, kv_lens, 3000, hq * 1000 + d, 3.0,
+                                                    kv_dtype=kv_dtype)
     for key_splits in (1, 4):
         out = torch.full_like(q, float("nan"))
         cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out,
@@ -141,16 +126,10 @@ def test_long_context_decode_beside_an_extend_in_bounded_scratch() -> None:
     beside a full-length extend must match SDPA, with a scratch sized by query rows only (it
     used to be rows x the longest context: ~335 MB for a 128-token extend beside a 40k decode)."""
     hq, hkv, d = 4, 2, 32
-    gen = torch.Generator().manual_seed(11)
-    slots_total = 24_000
-    k = torch.randn(slots_total, hkv, d, generator=gen)
-    v = torch.randn(slots_total, hkv, d, generator=gen)
     q_lens = [1, 128, 1, 3]  # 128: the most the kernel is built for
     kv_lens = [20_000, 128 + 300, 257, 513]  # tile edges: 256 and 512
-    stride = max(kv_lens)
-    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
-    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
-    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 4  # peaky: the running max moves
+    # q * 4: peaky, the running max moves
+    q, k, v, kv_index, q_start, _, _ = ragged_batch(hq, hkv, d, q_lens, kv_lens, 24_000, 11, 4.0)
     out = torch.full_like(q, float("nan"))
     cpu_kernel.paged_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out, d**-0.5,
                                key_splits=4)
@@ -174,17 +153,11 @@ def test_extend_kernel_matches_sdpa(isa: str, hq: int, hkv: int, d: int) -> None
     longer than the run, and peaky scores (the running max moves between tiles)."""
     if cpu_kernel.load(isa) is None:
         pytest.skip("no C compiler: the kernels are not built here")
-    gen = torch.Generator().manual_seed(hq * 10 + d)
     cached = [0, 0, 0, 5, 300, 0, 1000, 47]
     q_lens = [17, 64, 65, 100, 40, 1, 129, 200]
     kv_lens = [c + n for c, n in zip(cached, q_lens)]
-    slots_total = 4000
-    k = torch.randn(slots_total, hkv, d, generator=gen)
-    v = torch.randn(slots_total, hkv, d, generator=gen)
-    stride = max(kv_lens) + 3
-    kv_index = torch.stack([torch.randperm(slots_total, generator=gen)[:stride] for _ in q_lens])
-    q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0)[:-1].tolist())
-    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    q, k, v, kv_index, q_start, _, _ = ragged_batch(hq, hkv, d, q_lens, kv_lens, 4000, hq * 10 + d, 3.0,
+                                                    stride=max(kv_lens) + 3)
     out = torch.full_like(q, float("nan"))
     cpu_kernel.extend_attention(q, k, v, kv_index, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), out,
                                 d**-0.5, isa=isa)
