@@ -22,6 +22,12 @@ of `--layers` layers (qkv, o, gate_up, down) and the LM head, and a timed call i
 on `--rows` rows of x, as a decode step's products are:
 
     .venv/bin/python launch/bench_kernel_ab.py --kernel panels --baseline-rev 4fb117d --layers 28 --rows 1,8,12,16,32,64
+
+With `--onednn` (float32) oneDNN's prepacked products of the same weights are timed as well, in
+the same rounds; `--no-lm-head` leaves the LM head out of the chain, as in a prefill chunk
+(whose logits are only its last tokens'):
+
+    .venv/bin/python launch/bench_kernel_ab.py --kernel panels --baseline-rev HEAD --layers 4 --no-lm-head --onednn --rows 128,256,512,2048
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
     """The product chain of `args.layers` layers and the LM head, old build against new."""
     source, pack_name, gemm_name, wdtype = PRODUCT_KERNELS[args.kernel]
     i64, vp = ctypes.c_int64, ctypes.c_void_p
-    shapes = [*LAYER_PRODUCTS * args.layers, LM_HEAD]
+    shapes = [*LAYER_PRODUCTS * args.layers, *([] if args.no_lm_head else [LM_HEAD])]
     gen = torch.Generator().manual_seed(0)
     weights = {shape: (torch.randn(shape, generator=gen) * 0.05).to(wdtype) for shape in set(shapes)}
     chains = {}
@@ -136,24 +142,40 @@ def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
                 raise RuntimeError(f"{name} {pack_name} refused a {n} x {k} weight")
             packed.append((buf, n, k))
         chains[name] = (gemm, packed)
+    # oneDNN's prepacked products of the same weights (what Linear runs past PANELS_MAX_ROWS
+    # rows when it holds that copy), each on a contiguous x of its own width
+    onednn = ([(torch.ops.mkldnn._reorder_linear_weight(weights[(n, k)], 1), n, k) for n, k in shapes]
+              if args.onednn else [])
     rows = []
     for m in args.rows:
         x = torch.randn(m, max(k for _, k in shapes), generator=gen)
         y = torch.empty(m, max(n for n, _ in shapes))
-        times: dict[str, list[float]] = {"old": [], "new": []}
+        xs = {k: x[:, :k].contiguous() for _, k in shapes} if onednn else {}
+        times: dict[str, list[float]] = {"old": [], "new": [], **({"onednn": []} if onednn else {})}
         for _ in range(args.repeats):
             for name, (gemm, packed) in chains.items():
                 t = time.perf_counter()
                 for buf, n, k in packed:
                     gemm(x.data_ptr(), m, k, x.shape[1], buf.data_ptr(), n, None, y.data_ptr(), y.shape[1])
                 times[name].append(time.perf_counter() - t)
+            if onednn:
+                t = time.perf_counter()
+                for w, n, k in onednn:
+                    torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+                times["onednn"].append(time.perf_counter() - t)
         med = {n: sorted(ts)[len(ts) // 2] * 1e3 for n, ts in times.items()}
-        wbytes = sum(n * k for n, k in shapes) * weights[LM_HEAD].element_size()
+        wbytes = sum(n * k for n, k in shapes) * weights[shapes[-1]].element_size()
         gbps = {n: wbytes / (ms / 1e3) / 1e9 for n, ms in med.items()}
-        rows.append({"rows": m, "old_ms": med["old"], "new_ms": med["new"], "new_over_old": med["new"] / med["old"],
-                     "weight_gbps": gbps})
-        print(f"{m:4d} rows: old {med['old']:8.2f} ms  new {med['new']:8.2f} ms  new/old {med['new'] / med['old']:.3f}  "
-              f"(weight GB/s: old {gbps['old']:.1f}, new {gbps['new']:.1f})", flush=True)
+        gflops = {n: 2 * m * sum(n_ * k for n_, k in shapes) / (ms / 1e3) / 1e9 for n, ms in med.items()}
+        row = {"rows": m, "old_ms": med["old"], "new_ms": med["new"], "new_over_old": med["new"] / med["old"],
+               "weight_gbps": gbps, "gflops": gflops}
+        line = (f"{m:4d} rows: old {med['old']:8.2f} ms  new {med['new']:8.2f} ms  new/old {med['new'] / med['old']:.3f}  "
+                f"(weight GB/s: old {gbps['old']:.1f}, new {gbps['new']:.1f}; GFLOP/s new {gflops['new']:.0f})")
+        if onednn:
+            row.update(onednn_ms=med["onednn"], new_over_onednn=med["new"] / med["onednn"])
+            line += f"  oneDNN {med['onednn']:8.2f} ms, new/oneDNN {med['new'] / med['onednn']:.3f}"
+        rows.append(row)
+        print(line, flush=True)
     return rows
 
 
@@ -169,8 +191,15 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["attention", *PRODUCT_KERNELS], default="attention")
     ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 32, 64],
                     help="rows of x for a product kernel")
+    ap.add_argument("--onednn", action="store_true",
+                    help="--kernel panels: time oneDNN's prepacked products of the same weights as well")
+    ap.add_argument("--no-lm-head", action="store_true",
+                    help="a product kernel's chain without the LM head (as a prefill chunk's, whose logits are "
+                         "only its last tokens')")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.onednn and args.kernel != "panels":
+        ap.error("--onednn goes with --kernel panels (float32)")
     if args.threads:
         torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
     i64, vp = ctypes.c_int64, ctypes.c_void_p

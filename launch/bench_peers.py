@@ -61,7 +61,10 @@ ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float1
                    # bfloat16 weights and K/V, as vLLM's bfloat16 runs them (docs/benchmarks.md s.23)
                    "bfloat16-kv-bf16": {"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
                    # glibc's malloc as it comes: large blocks unmapped on free (docs/benchmarks.md s.18)
-                   "float32-malloc-default": {"dtype": "float32", "cpu_keep_freed_memory": False}}
+                   "float32-malloc-default": {"dtype": "float32", "cpu_keep_freed_memory": False},
+                   # oneDNN's prepacked copy for batches past 256 rows, the default before
+                   # docs/benchmarks.md section 25 (the panels run them otherwise)
+                   "float32-onednn": {"dtype": "float32", "cpu_prepack": True}}
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 VLLM_DTYPES = ("float32", "bfloat16")
 # Variants whose arithmetic is not (only) float32: the float32 FMA ceiling is no floor for them.

@@ -62,7 +62,8 @@ def cpu_info() -> dict[str, Any]:
 
 def chain_linears(cfg: ModelConfig, layers: int, dtype: torch.dtype, seed: int) -> list[Linear]:
     """Linear modules of `layers` decoder layers (fused shapes, as the engine holds them) and
-    the LM head, random weights stored in `dtype`, prepacked and kernel-enabled as in the engine."""
+    the LM head, random weights stored in `dtype`, kernel-enabled as in the engine and prepacked
+    for oneDNN as well (the engine makes that copy only with --cpu-prepack), to time it beside."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)] * layers
     gen = torch.Generator().manual_seed(seed)

@@ -2,9 +2,11 @@
 
 Against float64 products for every vector path this machine can build (AVX-512 where the CPU
 has it, AVX2 and plain C everywhere: MINISGL_MP_CPU_ISA), on shapes that leave partial row
-tiles, partial units and partial vectors; `Linear` picking it for 1 to PANELS_MAX_ROWS rows
-and agreeing with its other paths; and the engine, whose decode batches run through it,
-against transformers, teacher-forced.
+tiles, partial units and partial vectors, and from PACKED_X_MIN_ROWS rows on its packed-x path
+(row groups split over the threads, blocks of MC rows); `Linear` picking it for every batch
+unless it holds oneDNN's copy, and agreeing with its other paths; and the engine, whose decode
+batches and prefill chunks run through it without that copy, against transformers,
+teacher-forced.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from minisgl_mp.layers.linear import Linear
 # vector with a single real channel in it.
 SHAPES = ((2, 1, 1), (3, 3, 15), (5, 100, 16), (6, 64, 17), (7, 33, 33), (8, 256, 47), (9, 17, 48),
           (13, 1027, 49), (16, 128, 97), (25, 64, 130), (64, 96, 113), (70, 40, 200))
+# The packed-x path (csrc/packed_gemm.c, from 128 rows in a vector build): at its threshold, a
+# partial last row group, a unit and a half, and more rows than one block per thread holds
+# (2 x 512 rows; on AVX2 a block is 510, whole groups of 6).
+PACKED_X_SHAPES = ((128, 33, 49), (131, 64, 100), (257, 17, 48), (1100, 9, 20), (1031, 70, 97))
 TILES = {"native": (48, 8), "avx2": (16, 6), "scalar": (16, 4)}
 
 
@@ -45,7 +51,7 @@ def isa(request: pytest.FixtureRequest) -> str:
 def test_packed_product_matches_float64(isa: str) -> None:
     assert cpu_kernels.packed_gemm_tile(isa) == TILES[isa]
     gen = torch.Generator().manual_seed(0)
-    for rows, k, n in SHAPES:
+    for rows, k, n in SHAPES + PACKED_X_SHAPES:
         x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         packed = cpu_kernels.PackedWeight(w, isa=isa)
         assert packed.panels.numel() == -(-n // 16) * 16 * k
@@ -60,9 +66,10 @@ def test_packed_product_takes_strided_rows_and_writes_only_its_output(isa: str) 
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(37, 50, generator=gen)
     packed = cpu_kernels.PackedWeight(w, isa=isa)
-    wide = torch.randn(11, 80, generator=gen)
-    x = wide[:, 10:60]  # rows 80 apart
-    torch.testing.assert_close(packed.matmul(x).double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+    for rows in (11, 300):  # the row-streaming path, and the packed-x one
+        wide = torch.randn(rows, 80, generator=gen)
+        x = wide[:, 10:60]  # rows 80 apart
+        torch.testing.assert_close(packed.matmul(x).double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
     xt = torch.randn(50, 11, generator=gen).T  # columns not contiguous: copied first
     torch.testing.assert_close(packed.matmul(xt).double(), xt.double() @ w.double().T, atol=1e-4, rtol=1e-5)
     # The weight packed is a copy: later changes to the source do not leak in.
@@ -86,8 +93,9 @@ def test_packed_product_rejects_what_it_cannot_take() -> None:
 
 
 def test_linear_runs_decode_batches_through_the_panels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """1 to PANELS_MAX_ROWS rows go through the panels, longer batches (oneDNN's) do not, and
-    every path gives F.linear's answer, with the bias, on 2-D and 3-D inputs."""
+    """With oneDNN's copy made (--cpu-prepack), 1 to PANELS_MAX_ROWS rows go through the
+    panels and longer batches do not; every path gives F.linear's answer, with the bias, on
+    2-D and 3-D inputs."""
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(2)
@@ -105,7 +113,8 @@ def test_linear_runs_decode_batches_through_the_panels(monkeypatch: pytest.Monke
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
         assert lin(x.view(1, rows, 72)).shape == (1, rows, 50)
         assert calls == ([rows, rows] if rows <= Linear.PANELS_MAX_ROWS else []), rows
-    # Without oneDNN's copy (--no-cpu-prepack) the panels take the long batches too.
+    # Without oneDNN's copy (the engine's default where the panels are a vector build) the
+    # panels take the long batches too.
     lin.packed_weight = None
     calls.clear()
     x = torch.randn(Linear.PANELS_MAX_ROWS + 1, 72, generator=gen)
@@ -138,3 +147,27 @@ def test_engine_decode_batches_use_the_panels_and_follow_transformers(tiny_model
     for prompt, out in zip(prompts, outs):
         assert len(out["token_ids"]) == 10
         check_teacher_forced(hf, prompt, out["token_ids"])
+
+
+@pytest.mark.timeout(240)
+def test_engine_prefills_through_the_panels_without_onednn_copy(tiny_model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the engine keeps no oneDNN copy of a float32 weight that vector panels hold
+    (one weight copy fewer), so a 300-token prompt's products run on the panels' packed-x path,
+    and its greedy tokens are still a best choice of transformers' model; --cpu-prepack brings
+    the copy back."""
+    if cpu_kernels.load() is None or not cpu_kernels.kernel_isa():
+        pytest.skip("no vector build of the C kernels here: oneDNN's copy stays the prefill path")
+    llm = LLM(str(tiny_model_dir), device="cpu", num_pages=1024, max_running_requests=4)
+    linears = [m for m in llm.scheduler.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.panels is not None and m.packed_weight is None for m in linears)
+    rows = []
+    matmul = cpu_kernels.PackedWeight.matmul
+    monkeypatch.setattr(cpu_kernels.PackedWeight, "matmul", lambda self, x, b=None: rows.append(len(x)) or matmul(self, x, b))
+    vocab = llm.scheduler.runner.model.config.vocab_size
+    prompt = torch.randint(vocab, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert 300 in rows
+    check_teacher_forced(load_hf_model(tiny_model_dir), prompt, out["token_ids"])
+    forced = LLM(str(tiny_model_dir), device="cpu", num_pages=64, max_running_requests=1, cpu_prepack=True)
+    assert all(m.packed_weight is not None for m in forced.scheduler.runner.model.modules() if isinstance(m, Linear))

@@ -50,15 +50,17 @@ class ModelRunner:
             stored = store_weights(self.model, self.weight_dtype)
             logger.info("stored %d weight tensors as %s", stored, str(self.weight_dtype).replace("torch.", ""))
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        if device.type == "cpu" and config.cpu_prepack:
-            packed = sum(m.prepack() for m in linears)
-            logger.info("prepacked %d linear layers for oneDNN", packed)
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_small_gemm:
             gemm = sum(m.enable_cpu_gemm(amx=config.cpu_amx, bf16_dot=config.cpu_bf16_dot) for m in linears)
             amx = sum(m.amx is not None for m in linears)
             dot = sum(m.bf16dot is not None for m in linears)
             logger.info("C product kernel for %d linear layers%s%s", gemm, f" ({amx} on AMX tiles)" if amx else "",
                         f" ({dot} on AVX512-BF16 dot products)" if dot else "")
+        if device.type == "cpu" and config.cpu_prepack is not False:
+            # By default only where the panels do not run every batch themselves.
+            packed = sum(m.prepack() for m in linears if config.cpu_prepack or not m.panels_take_every_batch())
+            if packed:
+                logger.info("prepacked %d linear layers for oneDNN", packed)
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_fused_ops and cpu_kernels.load() is not None:
             fused = sum(m.enable_cpu_kernels() for m in self.model.modules() if hasattr(m, "enable_cpu_kernels"))
             logger.info("C kernels for %d norm / rotary modules", fused)

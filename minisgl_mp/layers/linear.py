@@ -19,13 +19,14 @@ class Linear(nn.Module):
       widens each weight in registers and reads it once for a few rows at a time, at the
       memory's rate; it runs every product of a stored format below DENSE_MIN_ROWS.
       For float32 weights it packs a copy into the column panels of the register-tiled
-      kernel (kernels/csrc/packed_gemm.c), which then runs the float32 products of 1 to
-      PANELS_MAX_ROWS rows (decode batches, where oneDNN falls short of the FMA rate; at one
-      row it also read the weights faster than weight_gemm.c's row-at-a-time path), and of
-      any larger batch when there is no oneDNN copy (`--no-cpu-prepack`: one weight copy
-      fewer, prefill products a few percent slower).
-    - `prepack()` (float32 weights): oneDNN's blocked layout, for the larger float32 batches
-      (prefill), where the products are bound by arithmetic rather than by the weight bytes.
+      kernel (kernels/csrc/packed_gemm.c), which then runs every float32 product: decode
+      batches, where oneDNN falls short of the FMA rate (at one row it also read the weights
+      faster than weight_gemm.c's row-at-a-time path), and prefill chunks, where its packed-x
+      path ran above oneDNN's prepacked products (docs/benchmarks.md section 25).
+    - `prepack()` (float32 weights): oneDNN's blocked layout, for the float32 batches past
+      PANELS_MAX_ROWS rows, where the products are bound by arithmetic rather than by the weight
+      bytes. The engine makes this copy only for weights without vector panels
+      (`panels_take_every_batch()`), or everywhere with `--cpu-prepack`.
     - `F.linear`, after widening the stored weight to the activations' dtype a tile at a time:
       the fallback everywhere else (other devices, no C compiler), and for large batches of
       stored formats, which then run at the float32 matrix rate.
@@ -103,6 +104,11 @@ class Linear(nn.Module):
                         if self.amx is None and bf16_dot and self.cpu_gemm
                         and cpu_kernels.Bf16DotWeight.fits(self.weight) and cpu_kernels.bf16dot_ready() else None)
         return self.cpu_gemm
+
+    def panels_take_every_batch(self) -> bool:
+        """Whether the float32 panels hold this weight in a vector build: they then run every
+        batch as fast as oneDNN's copy would, so that copy is not needed."""
+        return self.panels is not None and bool(cpu_kernels.kernel_isa(self.panels.isa))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -13,6 +13,15 @@
  * next unit into L2 as they go, so that its passes do not wait on memory either
  * (csrc/panel_prefetch.h; docs/benchmarks.md sections 19 and 24).
  *
+ * Past PACKED_X_MIN_ROWS rows (prefill chunks) the kernel is bound by the FMAs rather than by
+ * the weight bytes, and the x values each step broadcasts become the weak point: one scalar from
+ * each of MR rows K floats apart, a stream per row for L1 and the prefetchers to keep up with.
+ * There each thread takes its own rows, copies a block of MC of them into row groups laid out
+ * step by step (xp[g][k][r], the MR values of a step side by side: one stream, a cache line per
+ * two steps), and passes every unit of W over its block. That ran the products of the 0.6B
+ * shapes above oneDNN's prepacked ones from 128 rows to 2,048 (docs/benchmarks.md section 25),
+ * so one packed copy of W serves every batch.
+ *
  * Packed layout (packed_gemm_pack): output channels in units of UW (the last one may be
  * narrower, in steps of 16, zero-padded past N); unit u holds K rows of its width,
  * consecutive: element (n, k) of unit u = panel[u * UW * K + k * width_u + (n - u * UW)]. The
@@ -22,6 +31,7 @@
 #include <stdint.h>
 
 #include "panel_prefetch.h"
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -98,12 +108,13 @@ static inline vf vload_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 #define PF 16
 #endif
 
-/* R rows of y by the V vectors of one unit (ncols of them real), over k steps of K: the
+/* R rows of y by the V vectors of one unit (ncols of them real), over k steps of K (row r's
+ * value at step i is x[r * ldx + i * sx]: rows of x as they are, or packed row groups): the
  * accumulators start from zero on the first block of K and from y after it, and the bias is
  * added on the last. R and V are literals at every call site, so each instantiation keeps its
  * accumulators in registers. */
 static inline __attribute__((always_inline)) void micro(
-    const float *x, int64_t ldx, int64_t k, const float *panel, int64_t width, const float *bias,
+    const float *x, int64_t ldx, int64_t sx, int64_t k, const float *panel, int64_t width, const float *bias,
     float *y, int64_t ldy, int ncols, int first, int last, const char *pn, int64_t pn_lines, const int R,
     const int V) {
     /* The loops over R and V are unrolled by request: left to GCC 12, the accumulator array
@@ -128,7 +139,7 @@ static inline __attribute__((always_inline)) void micro(
         for (int v = 0; v < V; ++v) w[v] = VLOAD(b + v * VL);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-            const vf a = VSET1(x + r * ldx + i);
+            const vf a = VSET1(x + r * ldx + i * sx);
 #pragma GCC unroll 8
             for (int v = 0; v < V; ++v) acc[r][v] = VFMA(a, w[v], acc[r][v]);
         }
@@ -150,20 +161,29 @@ typedef void (*micro_fn)(const float *, int64_t, int64_t, const float *, int64_t
     static void micro_##R##_##V(const float *x, int64_t ldx, int64_t k, const float *panel,          \
                                 int64_t width, const float *bias, float *y, int64_t ldy, int ncols,   \
                                 int first, int last, const char *pn, int64_t pn_lines) {             \
-        micro(x, ldx, k, panel, width, bias, y, ldy, ncols, first, last, pn, pn_lines, R, V);        \
+        micro(x, ldx, 1, k, panel, width, bias, y, ldy, ncols, first, last, pn, pn_lines, R, V);     \
+    }                                                                                                \
+    /* x packed (ldx unused): the strides are literals, each broadcast a fixed offset */            \
+    static void microp_##R##_##V(const float *x, int64_t ldx, int64_t k, const float *panel,         \
+                                 int64_t width, const float *bias, float *y, int64_t ldy, int ncols,  \
+                                 int first, int last, const char *pn, int64_t pn_lines) {            \
+        (void)ldx;                                                                                   \
+        micro(x, 1, MR, k, panel, width, bias, y, ldy, ncols, first, last, pn, pn_lines, R, V);      \
     }
 
 /* Every (rows, vectors) pair the ISA can meet: rows 1..MR, vectors 1..NV (a narrow last unit). */
 #if defined(__AVX512F__)
 #define ROWS_V(V) MICRO(1, V) MICRO(2, V) MICRO(3, V) MICRO(4, V) MICRO(5, V) MICRO(6, V) MICRO(7, V) MICRO(8, V)
 ROWS_V(1) ROWS_V(2) ROWS_V(3)
-#define ROW_FNS(V) {micro_1_##V, micro_2_##V, micro_3_##V, micro_4_##V, micro_5_##V, micro_6_##V, micro_7_##V, micro_8_##V}
-static const micro_fn MICROS[NV][MR] = {ROW_FNS(1), ROW_FNS(2), ROW_FNS(3)};
+#define ROW_FNS(P, V) {P##_1_##V, P##_2_##V, P##_3_##V, P##_4_##V, P##_5_##V, P##_6_##V, P##_7_##V, P##_8_##V}
+static const micro_fn MICROS[NV][MR] = {ROW_FNS(micro, 1), ROW_FNS(micro, 2), ROW_FNS(micro, 3)};
+static const micro_fn MICROS_PACKED[NV][MR] = {ROW_FNS(microp, 1), ROW_FNS(microp, 2), ROW_FNS(microp, 3)};
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ROWS_V(V) MICRO(1, V) MICRO(2, V) MICRO(3, V) MICRO(4, V) MICRO(5, V) MICRO(6, V)
 ROWS_V(1) ROWS_V(2)
-#define ROW_FNS(V) {micro_1_##V, micro_2_##V, micro_3_##V, micro_4_##V, micro_5_##V, micro_6_##V}
-static const micro_fn MICROS[NV][MR] = {ROW_FNS(1), ROW_FNS(2)};
+#define ROW_FNS(P, V) {P##_1_##V, P##_2_##V, P##_3_##V, P##_4_##V, P##_5_##V, P##_6_##V}
+static const micro_fn MICROS[NV][MR] = {ROW_FNS(micro, 1), ROW_FNS(micro, 2)};
+static const micro_fn MICROS_PACKED[NV][MR] = {ROW_FNS(microp, 1), ROW_FNS(microp, 2)};
 #else
 /* Plain C: one unit of 16 channels, looped rather than unrolled per width. */
 static void micro_scalar(const float *x, int64_t ldx, int64_t k, const float *panel, int64_t width,
@@ -205,12 +225,93 @@ void packed_gemm_pack(const float *w, int64_t n, int64_t k, float *out) {
     }
 }
 
+#if VL > 1
+/* Rows from which x is packed into row groups (see the top of the file); below it each thread
+ * streams its own run of W's units past all the rows instead, which is what bounds a decode
+ * batch. 128 rows: where the two measured alike (docs/benchmarks.md section 25). */
+#ifndef PACKED_X_MIN_ROWS
+#define PACKED_X_MIN_ROWS 128
+#endif
+/* Rows of x a thread packs at a time: MC x K floats (6 MiB at K = 3,072), the block every unit
+ * of W passes over before the next block is packed; W is read once per block. */
+#ifndef MC
+#define MC 512
+#endif
+
+/* Each thread's packed block, kept between calls (OpenMP's threads persist): the size is
+ * bounded by MC x K, and a fresh allocation of it every product would page-fault it in again. */
+static __thread float *xp_buf;
+static __thread int64_t xp_cap;
+
+static float *xp_block(int64_t floats) {
+    if (floats > xp_cap) {
+        free(xp_buf);
+        xp_buf = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        xp_cap = xp_buf ? floats : 0;
+    }
+    return xp_buf;
+}
+
+/* The threads split the row groups; each packs MC rows at a time and runs every unit of W over
+ * them, the groups after the first prefetching the next unit into L2 (panel_prefetch.h) while
+ * they pass over this one. Returns -1 when a thread's block could not be allocated. */
+static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
+                         const float *bias, float *y, int64_t ldy) {
+    const int64_t units = (n + UW - 1) / UW, all_groups = (m + MR - 1) / MR;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t g0 = all_groups * t / nt, g1 = all_groups * (t + 1) / nt;
+        const int64_t block = MC / MR * MR; /* whole row groups (MR is 6 on AVX2) */
+        const int64_t mb_max = (g1 - g0) * MR < block ? (g1 - g0) * MR : block;
+        float *xp = g1 > g0 ? xp_block(mb_max * k) : NULL;
+        if (g1 > g0 && xp == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = g0 * MR; xp != NULL && m0 < g1 * MR && m0 < m; m0 += block) {
+            const int64_t m1 = m0 + block < g1 * MR ? m0 + block : g1 * MR, rows_b = (m1 < m ? m1 : m) - m0;
+            const int64_t groups = (rows_b + MR - 1) / MR;
+            for (int64_t g = 0; g < groups; ++g) {
+                float *dst = xp + g * MR * k;
+                const int rows = (int)(rows_b - g * MR < MR ? rows_b - g * MR : MR);
+                for (int r = 0; r < rows; ++r) {
+                    const float *src = x + (m0 + g * MR + r) * ldx;
+                    for (int64_t i = 0; i < k; ++i) dst[i * MR + r] = src[i];
+                }
+            }
+            for (int64_t u = 0; u < units; ++u) {
+                const int64_t n0 = u * UW, width = unit_width(n, u);
+                const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
+                const float *panel = panels + n0 * k;
+                const int64_t next_lines = u + 1 < units && groups > 1 ? unit_width(n, u + 1) * k * 4 / 64 : 0;
+                const int64_t share = prefetch_share(next_lines, groups);
+                const char *next = (const char *)(panels + (n0 + UW) * k);
+                for (int64_t g = 0; g < groups; ++g) {
+                    const int rows = (int)(rows_b - g * MR < MR ? rows_b - g * MR : MR);
+                    int64_t start;
+                    const int64_t lines = prefetch_lines(g, share, next_lines, 0, k, k, &start);
+                    MICROS_PACKED[width / VL - 1][rows - 1](xp + g * MR * k, MR, k, panel, width, bias ? bias + n0 : NULL,
+                                                     y + (m0 + g * MR) * ldy + n0, ldy, ncols, 1, 1,
+                                                     next + start * 64, lines);
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 /* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. Threads split the units into
  * contiguous runs: each streams one run of the packed weight, and knows its next unit. Blocking
  * the rows as well (x in L2 beside a unit) measured no faster up to 2,048 rows, so the rows are
  * not blocked. */
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                      const float *bias, float *y, int64_t ldy) {
+#if VL > 1
+    if (m >= PACKED_X_MIN_ROWS && packed_x_gemm(x, m, k, ldx, panels, n, bias, y, ldy) == 0) return;
+#endif
     const int64_t units = (n + UW - 1) / UW;
     const int64_t groups = (m + MR - 1) / MR;
 #pragma omp parallel if (m * n * k >= 65536)
