@@ -23,6 +23,12 @@ on `--rows` rows of x, as a decode step's products are:
 
     .venv/bin/python launch/bench_kernel_ab.py --kernel panels --baseline-rev 4fb117d --layers 28 --rows 1,8,12,16,32,64
 
+`--kernel extend` A/Bs prompt attention (csrc/extend_attention.c) on `--layers` layers of K/V:
+eight 256-token prompts in one chunk, one 2,048-token prompt, 512 tokens over a 1,536-token
+prefix, the two builds' outputs checked against each other:
+
+    .venv/bin/python launch/bench_kernel_ab.py --kernel extend --baseline-rev HEAD --layers 4
+
 With `--onednn` (float32) oneDNN's prepacked products of the same weights are timed as well, in
 the same rounds; `--no-lm-head` leaves the LM head out of the chain, as in a prefill chunk
 (whose logits are only its last tokens'):
@@ -179,6 +185,63 @@ def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
     return rows
 
 
+# (prompts, cached prefix, prompt tokens) for --kernel extend: the fixed workload's 2,048-token
+# chunk of eight 256-token prompts, one 2,048-token prompt, and a 512-token chunk over a prefix
+EXTEND_SHAPES = ((8, 0, 256), (1, 0, 2048), (1, 1536, 512))
+
+
+def extend_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """Prompt attention (csrc/extend_attention.c, float32) of `args.layers` layers a call, old
+    build against new; GFLOP/s counts the causal half of each prompt's square (plus its
+    prefix), the work the mask leaves."""
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    fns = {}
+    for name, rev in (("old", args.baseline_rev), ("new", None)):
+        fn = _build(_sources(rev, tmp / name, f"{CSRC}/extend_attention.c"), tmp / f"{name}.so",
+                    args.isa).extend_attention_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float]
+        fns[name] = fn
+    rows = []
+    for batch, cached, nq in EXTEND_SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        page, ctx = args.page_size, cached + nq
+        pages = -(-ctx // page)
+        slots = batch * pages * page
+        k = torch.randn(args.layers, slots, HKV, D, generator=gen)
+        v = torch.randn(args.layers, slots, HKV, D, generator=gen)
+        order = torch.randperm(batch * pages, generator=gen)
+        index = (order.view(batch, pages, 1) * page + torch.arange(page)).view(batch, pages * page).contiguous()
+        q = torch.randn(batch * nq, HQ, D, generator=gen)
+        out = torch.empty_like(q)
+        q_start = torch.arange(batch, dtype=torch.int64) * nq
+        q_len = torch.full((batch,), nq, dtype=torch.int64)
+        kv_len = torch.full((batch,), ctx, dtype=torch.int64)
+        calls = [(q.data_ptr(), k[i].data_ptr(), v[i].data_ptr(), index.data_ptr(), index.shape[1],
+                  q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), batch, HQ, HKV, D,
+                  D**-0.5) for i in range(args.layers)]
+        outs = {}
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for _ in range(args.repeats):
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                for call in calls:
+                    if fn(*call) != 0:
+                        raise RuntimeError(f"{name} kernel failed")
+                times[name].append((time.perf_counter() - t) / len(calls))
+                outs[name] = out.clone()
+        torch.testing.assert_close(outs["new"], outs["old"], atol=1e-4, rtol=1e-4)
+        med = {n: sorted(ts)[len(ts) // 2] * 1e3 for n, ts in times.items()}
+        flops = 4 * batch * HQ * D * (nq * cached + nq * (nq + 1) / 2)  # QK^T and PV, causal
+        gflops = {n: flops / (ms / 1e3) / 1e9 for n, ms in med.items()}
+        rows.append({"prompts": batch, "cached": cached, "prompt_tokens": nq, "old_ms": med["old"],
+                     "new_ms": med["new"], "new_over_old": med["new"] / med["old"], "gflops": gflops})
+        print(f"{batch} x {nq:4d} tokens over {cached:4d} cached: old {med['old']:7.2f} ms  new {med['new']:7.2f} ms"
+              f"  new/old {med['new'] / med['old']:.3f}  (GFLOP/s of the causal work: old {gflops['old']:.0f}, "
+              f"new {gflops['new']:.0f})", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline-rev", required=True, help="git revision of the kernel to compare against")
@@ -188,7 +251,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="threads for the kernels (default: torch's)")
     ap.add_argument("--isa", choices=sorted(cpu.ISA_FLAGS), default="native",
                     help="build both kernels for this vector ISA (avx2: the path of CPUs without AVX-512)")
-    ap.add_argument("--kernel", choices=["attention", *PRODUCT_KERNELS], default="attention")
+    ap.add_argument("--kernel", choices=["attention", "extend", *PRODUCT_KERNELS], default="attention",
+                    help="attention: decode (paged_attention.c); extend: prompt attention (extend_attention.c); "
+                         "or a product kernel")
     ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 32, 64],
                     help="rows of x for a product kernel")
     ap.add_argument("--onednn", action="store_true",
@@ -205,7 +270,7 @@ def main() -> None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     if args.kernel != "attention":
         with tempfile.TemporaryDirectory() as tmp:
-            rows = products_ab(args, Path(tmp))
+            rows = extend_ab(args, Path(tmp)) if args.kernel == "extend" else products_ab(args, Path(tmp))
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"kernel": args.kernel, "baseline_rev": args.baseline_rev, "isa": args.isa,

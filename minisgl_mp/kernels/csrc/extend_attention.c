@@ -15,7 +15,9 @@
  *   rows in place against vectors of the rows' queries (transposed once per item), so no key is
  *   ever copied, and the softmax runs with each row a vector lane;
  * - values: RB rows of accumulators take each key's value vectors, read in place, once.
- * Tiles past a block's last position are skipped, so a causal prompt costs half its square.
+ * Tiles past a block's last position are skipped, and within the tiles on the diagonal each
+ * register block of rows stops at the last key its last row sees, so a causal prompt costs
+ * about half its square rather than a tile-rounded 0.7 of it (docs/benchmarks.md section 25).
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +32,7 @@
 /* Query tokens per work item. */
 #define QB 64
 #define KT 48 /* keys per tile */
+#define QT_SKEW 16 /* floats of padding per row of the transposed queries (see ldq) */
 
 /* One vector of the build's native width. GCC splits a wider generic vector into native ones
  * badly: 16-float vectors on an AVX2 build kept their accumulators on the stack and built each
@@ -81,12 +84,22 @@ static inline __attribute__((always_inline)) void scores_keys(const float *const
         for (int u = 0; u < NVR; ++u) vstore(s + j * lds + u * VW, a[j][u]);
 }
 
-static void scores_tile(const float *const *krow, int64_t nk, const float *qt, int64_t rows_pad, int64_t d,
-                        float *s) {
+/* Keys [0, nk) of a tile that row r can see: those up to vis0 + r / groups (the causal mask;
+ * vis0 = row 0's position minus the tile's first key), at most nk. */
+static inline int64_t visible_keys(int64_t vis0, int64_t r, int64_t groups, int64_t nk) {
+    const int64_t n = vis0 + r / groups + 1;
+    return n < 0 ? 0 : n < nk ? n : nk;
+}
+
+/* Each chunk of RC rows stops at the last key its last row sees: the scores past it are all
+ * hidden from the chunk, and the caller's mask overwrites them with -inf. */
+static void scores_tile(const float *const *krow, int64_t nk, const float *qt, int64_t ldq, int64_t rows_pad,
+                        int64_t d, float *s, int64_t vis0, int64_t groups) {
     for (int64_t c = 0; c < rows_pad; c += RC) {
+        const int64_t nkc = visible_keys(vis0, c + RC - 1, groups, nk);
         int64_t j = 0;
-        for (; j + RK <= nk; j += RK) scores_keys(krow + j, qt + c, rows_pad, d, s + j * rows_pad + c, rows_pad, RK);
-        for (; j < nk; ++j) scores_keys(krow + j, qt + c, rows_pad, d, s + j * rows_pad + c, rows_pad, 1);
+        for (; j + RK <= nkc; j += RK) scores_keys(krow + j, qt + c, ldq, d, s + j * rows_pad + c, rows_pad, RK);
+        for (; j < nkc; ++j) scores_keys(krow + j, qt + c, ldq, d, s + j * rows_pad + c, rows_pad, 1);
     }
 }
 
@@ -114,12 +127,14 @@ static inline __attribute__((always_inline)) void values_rows(const float *p, in
     }
 }
 
+/* Each block of rows takes the keys its last row sees: the weights of the rest are 0 for it. */
 static void values_tile(const float *p, int64_t ldp, int64_t rows, int64_t nk, const float *const *vrow,
-                        int64_t d, float *acc) {
+                        int64_t d, float *acc, int64_t vis0, int64_t groups) {
     for (int64_t c = 0; c < d; c += 2 * VW) {
         int64_t r = 0;
-        for (; r + RB <= rows; r += RB) values_rows(p + r, ldp, nk, vrow, c, d, acc + r * d, RB);
-        for (; r < rows; ++r) values_rows(p + r, ldp, nk, vrow, c, d, acc + r * d, 1);
+        for (; r + RB <= rows; r += RB)
+            values_rows(p + r, ldp, visible_keys(vis0, r + RB - 1, groups, nk), vrow, c, d, acc + r * d, RB);
+        for (; r < rows; ++r) values_rows(p + r, ldp, visible_keys(vis0, r, groups, nk), vrow, c, d, acc + r * d, 1);
     }
 }
 
@@ -143,7 +158,7 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
         const unsigned int csr = _mm_getcsr(); /* denormals flushed in this call only */
         _mm_setcsr(csr | 0x8040);
 #endif
-        float *qt = malloc(sizeof(float) * (size_t)(rows_max * d));
+        float *qt = malloc(sizeof(float) * (size_t)((rows_max + QT_SKEW) * d));
         float *acc = malloc(sizeof(float) * (size_t)(rows_max * d));
         float *s = malloc(sizeof(float) * (size_t)(rows_max * KT));
         float *run_max = malloc(sizeof(float) * (size_t)rows_max);
@@ -169,14 +184,19 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
             const int64_t i0 = blk * QB, ni = nq - i0 < QB ? nq - i0 : QB;
             const int64_t rows = ni * groups; /* row r = (query i0 + r / groups, head h * groups + r % groups) */
             const int64_t rows_pad = (rows + RC - 1) / RC * RC; /* padding rows: zero queries, never written */
+            /* qt's rows (one a dim) one line more apart than rows_pad: at 128 rows they were 512
+             * bytes apart, so the transposing stores, a line for each of d dims at every query
+             * row, met in an eighth of L1's sets and evicted each other; that copy was a fifth of
+             * the kernel's time on 256-token prompts (docs/benchmarks.md section 25). */
+            const int64_t ldq = rows_pad + QT_SKEW;
             const int64_t *slots = kv_index + b * stride;
             const float *qb = q + q_start[b] * hq * d;
             for (int64_t r = 0; r < rows_pad; ++r) {
                 if (r < rows) {
                     const float *src = qb + ((i0 + r / groups) * hq + h * groups + r % groups) * d;
-                    for (int64_t e = 0; e < d; ++e) qt[e * rows_pad + r] = src[e] * scale;
+                    for (int64_t e = 0; e < d; ++e) qt[e * ldq + r] = src[e] * scale;
                 } else {
-                    for (int64_t e = 0; e < d; ++e) qt[e * rows_pad + r] = 0.0f;
+                    for (int64_t e = 0; e < d; ++e) qt[e * ldq + r] = 0.0f;
                 }
                 run_max[r] = -INFINITY;
                 run_sum[r] = 0.0f;
@@ -189,7 +209,8 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
                     krow[j] = k + (slots[t0 + j] * hkv + h) * d;
                     vrow[j] = v + (slots[t0 + j] * hkv + h) * d;
                 }
-                scores_tile(krow, nk, qt, rows_pad, d, s);
+                const int64_t vis0 = first + i0 - t0; /* row 0's position, from the tile's first key */
+                scores_tile(krow, nk, qt, ldq, rows_pad, d, s, vis0, groups);
                 /* Key t0 + j is hidden from the rows of queries before it: a prefix of the rows. */
                 for (int64_t j = 0; j < nk; ++j) {
                     int64_t hidden = (t0 + j - first - i0) * groups;
@@ -221,7 +242,7 @@ int extend_attention_f32(const float *q, const float *k, const float *v, const i
                     }
                 }
                 memcpy(run_max, tile_max, sizeof(float) * (size_t)rows_pad);
-                values_tile(s, rows_pad, rows, nk, vrow, d, acc);
+                values_tile(s, rows_pad, rows, nk, vrow, d, acc, vis0, groups);
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float *dst = out + (q_start[b] + i0 + r / groups) * hq * d + (h * groups + r % groups) * d;
