@@ -220,6 +220,23 @@ def test_py_spy_summary_and_process_discovery(tmp_path: Path) -> None:
     assert summary["top_self"][1]["function"] == "recv (sugar/socket.py)"
 
 
+def test_prefill_products_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Both paths time the same prompt lengths, past the 256 rows where they part, and the
+    engine's default is back in place afterwards."""
+    if not cpu_kernels.kernel_isa():
+        pytest.skip("no vector build of the C kernels here")
+    from minisgl_mp.layers.linear import Linear
+
+    default = Linear.PANELS_MAX_ROWS
+    out = tmp_path / "prefill.json"
+    assert load_tool("bench_prefill_products").main([
+        "--model", str(tiny_model_dir), "--prompts", "2", "--prompt-len", "150", "--rounds", "2",
+        "--out", str(out)]) == 0
+    res = read(out)["results"]
+    assert len(res["seconds"]["panels"]) == len(res["seconds"]["oneDNN"]) == 2 and res["median_ratio"] > 0
+    assert Linear.PANELS_MAX_ROWS == default
+
+
 def test_decode_plan_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     assert load_tool("bench_decode_plan").main([
