@@ -126,6 +126,29 @@ def _build(src: Path, out: Path, isa: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
+def _paged_batch(layers: int, batch: int, ctx: int, nq: int, page: int) -> tuple[torch.Tensor, ...]:
+    """`batch` requests of `ctx` keys each (their last `nq` the query tokens) over `layers`
+    layers of K/V, a request's slots in pages of `page` shuffled over the pool as a pool hands
+    them out after a while, the pool on huge pages as the engine's is: (k, v, kv_index, q, out,
+    q_start, q_len, kv_len)."""
+    gen = torch.Generator().manual_seed(0)
+    pages = -(-ctx // page)
+    slots = batch * pages * page + 1
+    k = torch.empty(layers, slots, HKV, D)
+    v = torch.empty_like(k)
+    advise_huge_pages(k)
+    advise_huge_pages(v)
+    k.copy_(torch.randn(k.shape, generator=gen))
+    v.copy_(torch.randn(v.shape, generator=gen))
+    order = torch.randperm(batch * pages, generator=gen)
+    index = (order.view(batch, pages, 1) * page + torch.arange(page)).view(batch, pages * page).contiguous()
+    q = torch.randn(batch * nq, HQ, D, generator=gen)
+    q_start = torch.arange(batch, dtype=torch.int64) * nq
+    q_len = torch.full((batch,), nq, dtype=torch.int64)
+    kv_len = torch.full((batch,), ctx, dtype=torch.int64)
+    return k, v, index, q, torch.empty_like(q), q_start, q_len, kv_len
+
+
 def products_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
     """The product chain of `args.layers` layers and the LM head, old build against new."""
     source, pack_name, gemm_name, wdtype = PRODUCT_KERNELS[args.kernel]
@@ -195,8 +218,8 @@ EXTEND_KERNELS = {"extend": ("extend_attention.c", "extend_attention_f32"),
 
 
 def extend_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
-    """Prompt attention (csrc/extend_attention.c, float32) of `args.layers` layers a call, old
-    build against new; GFLOP/s counts the causal half of each prompt's square (plus its
+    """Prompt attention (csrc/extend_attention.c, or bf16dot_attention.c for extend-bf16dot) of
+    `args.layers` layers a call, old build against new; GFLOP/s counts the causal half of each prompt's square (plus its
     prefix), the work the mask leaves."""
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     source, symbol = EXTEND_KERNELS[args.kernel]
@@ -208,19 +231,7 @@ def extend_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
         fns[name] = fn
     rows = []
     for batch, cached, nq in EXTEND_SHAPES:
-        gen = torch.Generator().manual_seed(0)
-        page, ctx = args.page_size, cached + nq
-        pages = -(-ctx // page)
-        slots = batch * pages * page
-        k = torch.randn(args.layers, slots, HKV, D, generator=gen)
-        v = torch.randn(args.layers, slots, HKV, D, generator=gen)
-        order = torch.randperm(batch * pages, generator=gen)
-        index = (order.view(batch, pages, 1) * page + torch.arange(page)).view(batch, pages * page).contiguous()
-        q = torch.randn(batch * nq, HQ, D, generator=gen)
-        out = torch.empty_like(q)
-        q_start = torch.arange(batch, dtype=torch.int64) * nq
-        q_len = torch.full((batch,), nq, dtype=torch.int64)
-        kv_len = torch.full((batch,), ctx, dtype=torch.int64)
+        k, v, index, q, out, q_start, q_len, kv_len = _paged_batch(args.layers, batch, cached + nq, nq, args.page_size)
         calls = [(q.data_ptr(), k[i].data_ptr(), v[i].data_ptr(), index.data_ptr(), index.shape[1],
                   q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), batch, HQ, HKV, D,
                   D**-0.5) for i in range(args.layers)]
@@ -301,20 +312,7 @@ def main() -> None:
             if args.layers * 2 * slots * HKV * D * 4 > 8 << 30:
                 print(f"{batch} x {ctx}: skipped (over 8 GiB of K/V with --layers {args.layers})")
                 continue
-            gen = torch.Generator().manual_seed(0)
-            k = torch.empty(args.layers, slots, HKV, D)
-            v = torch.empty_like(k)
-            advise_huge_pages(k)
-            advise_huge_pages(v)
-            k.copy_(torch.randn(k.shape, generator=gen))
-            v.copy_(torch.randn(v.shape, generator=gen))
-            order = torch.randperm(batch * pages, generator=gen)
-            index = (order.view(batch, pages, 1) * page + torch.arange(page)).view(batch, pages * page).contiguous()
-            q = torch.randn(batch * nq, HQ, D, generator=gen)
-            out = torch.empty_like(q)
-            q_start = torch.arange(batch, dtype=torch.int64) * nq
-            q_len = torch.full((batch,), nq, dtype=torch.int64)
-            kv_len = torch.full((batch,), ctx, dtype=torch.int64)
+            k, v, index, q, out, q_start, q_len, kv_len = _paged_batch(args.layers, batch, ctx, nq, page)
             splits = cpu.default_key_splits(batch)
             calls = [(q.data_ptr(), k[i].data_ptr(), v[i].data_ptr(), index.data_ptr(), index.shape[1],
                       q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), out.data_ptr(), batch, HQ, HKV, D,
