@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -247,3 +249,19 @@ def test_decode_plan_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
         rows = results[fmt]["rows"]
         assert [r["batch"] for r in rows] == [1, 2]
         assert all(len(r["plan_ms"]) == len(r["modules_ms"]) == 2 and r["median_ratio"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_kernel_ab_prompt_attention(tmp_path: Path) -> None:
+    """The A/B builds the kernel at a revision and from the working tree, checks their outputs
+    against each other and reports a ratio per shape."""
+    if cpu_kernels.load() is None or subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+                                                   capture_output=True).returncode != 0:
+        pytest.skip("needs a C compiler and the git history")
+    out = tmp_path / "extend.json"
+    subprocess.run([sys.executable, str(REPO_ROOT / "launch" / "bench_kernel_ab.py"), "--kernel", "extend",
+                    "--baseline-rev", "HEAD", "--layers", "1", "--repeats", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=280)
+    rows = read(out)["rows"]
+    assert [(r["prompts"], r["prompt_tokens"]) for r in rows] == [(8, 256), (1, 2048), (1, 512)]
+    assert all(r["new_over_old"] > 0 for r in rows)
