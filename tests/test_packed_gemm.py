@@ -62,6 +62,23 @@ def test_packed_product_matches_float64(isa: str) -> None:
             torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5, msg=f"{isa} {rows}x{k} -> {n}")
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_packed_x_path_splits_rows_over_any_thread_count(isa: str, threads: int) -> None:
+    """The packed-x path's row groups split over 1 and 3 threads (its threshold follows the
+    thread count: at least 64 rows a thread), partial groups and blocks included."""
+    gen = torch.Generator().manual_seed(4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernels share torch's OpenMP runtime
+    try:
+        for rows, k, n in PACKED_X_SHAPES:
+            x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            y = cpu_kernels.PackedWeight(w, isa=isa).matmul(x, bias)
+            ref = x.double() @ w.double().T + bias.double()
+            torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5, msg=f"{isa} {threads} {rows}x{k} -> {n}")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_packed_product_takes_strided_rows_and_writes_only_its_output(isa: str) -> None:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(37, 50, generator=gen)

@@ -228,9 +228,15 @@ void packed_gemm_pack(const float *w, int64_t n, int64_t k, float *out) {
 #if VL > 1
 /* Rows from which x is packed into row groups (see the top of the file); below it each thread
  * streams its own run of W's units past all the rows instead, which is what bounds a decode
- * batch. 128 rows: where the two measured alike (docs/benchmarks.md section 25). */
+ * batch. 128 rows: where the two measured alike on 2 threads (docs/benchmarks.md section 25).
+ * Since each thread then reads all of W for its own rows, it also takes PACKED_X_THREAD_ROWS
+ * rows a thread: with many threads and few rows each, reading W once per thread would make the
+ * product bound by memory again. */
 #ifndef PACKED_X_MIN_ROWS
 #define PACKED_X_MIN_ROWS 128
+#endif
+#ifndef PACKED_X_THREAD_ROWS
+#define PACKED_X_THREAD_ROWS 64
 #endif
 /* Rows of x a thread packs at a time: MC x K floats (6 MiB at K = 3,072), the block every unit
  * of W passes over before the next block is packed; W is read once per block. */
@@ -310,7 +316,14 @@ static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, cons
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                      const float *bias, float *y, int64_t ldy) {
 #if VL > 1
-    if (m >= PACKED_X_MIN_ROWS && packed_x_gemm(x, m, k, ldx, panels, n, bias, y, ldy) == 0) return;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    if (m >= PACKED_X_MIN_ROWS && m >= PACKED_X_THREAD_ROWS * threads &&
+        packed_x_gemm(x, m, k, ldx, panels, n, bias, y, ldy) == 0)
+        return;
 #endif
     const int64_t units = (n + UW - 1) / UW;
     const int64_t groups = (m + MR - 1) / MR;
