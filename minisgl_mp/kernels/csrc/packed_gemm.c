@@ -259,8 +259,8 @@ static float *xp_block(int64_t floats) {
 }
 
 /* The threads split the row groups; each packs MC rows at a time and runs every unit of W over
- * them, the groups after the first prefetching the next unit into L2 (panel_prefetch.h) while
- * they pass over this one. Returns -1 when a thread's block could not be allocated. */
+ * them, every group taking its share of the next unit into L2 (panel_prefetch.h) while they
+ * pass over this one. Returns -1 when a thread's block could not be allocated. */
 static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                          const float *bias, float *y, int64_t ldy) {
     const int64_t units = (n + UW - 1) / UW, all_groups = (m + MR - 1) / MR;
@@ -276,7 +276,7 @@ static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, cons
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t m0 = g0 * MR; xp != NULL && m0 < g1 * MR && m0 < m; m0 += block) {
+        for (int64_t m0 = g0 * MR; xp != NULL && m0 < g1 * MR; m0 += block) {
             const int64_t m1 = m0 + block < g1 * MR ? m0 + block : g1 * MR, rows_b = (m1 < m ? m1 : m) - m0;
             const int64_t groups = (rows_b + MR - 1) / MR;
             for (int64_t g = 0; g < groups; ++g) {
@@ -309,10 +309,10 @@ static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, cons
 }
 #endif
 
-/* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. Threads split the units into
- * contiguous runs: each streams one run of the packed weight, and knows its next unit. Blocking
- * the rows as well (x in L2 beside a unit) measured no faster up to 2,048 rows, so the rows are
- * not blocked. */
+/* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. From PACKED_X_MIN_ROWS rows (and
+ * PACKED_X_THREAD_ROWS a thread) the packed-x path above; below, threads split the units into
+ * contiguous runs: each streams one run of the packed weight past all the rows, as they are,
+ * and knows its next unit. */
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                      const float *bias, float *y, int64_t ldy) {
 #if VL > 1
