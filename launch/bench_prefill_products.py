@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_prefill_products: this engine does not hold both copies (no C kernels, or not float32)",
               file=sys.stderr)
         return 2
+    # Both paths through the modules: the C layer loop (engine/cpu_decode.py) takes only the
+    # panels' steps, and would add its own saving to theirs.
+    llm.scheduler.runner.model.layer_runner = None
     runner = EngineRunner(llm, progress=False)
     vocab = llm.scheduler.runner.model_config.vocab_size
     token_range = min(vocab, 1000)

@@ -175,7 +175,9 @@ def test_engine_prefills_through_the_panels_without_onednn_copy(tiny_model_dir: 
     the copy back."""
     if cpu_kernels.load() is None or not cpu_kernels.kernel_isa():
         pytest.skip("no vector build of the C kernels here: oneDNN's copy stays the prefill path")
-    llm = LLM(str(tiny_model_dir), device="cpu", num_pages=1024, max_running_requests=4)
+    # Through the modules, whose product calls are watched here: by default the step's layers
+    # run in one C call over the same panels, bit for bit (tests/test_cpu_decode_plan.py).
+    llm = LLM(str(tiny_model_dir), device="cpu", num_pages=1024, max_running_requests=4, cpu_decode_plan=False)
     linears = [m for m in llm.scheduler.runner.model.modules() if isinstance(m, Linear)]
     assert all(m.panels is not None and m.packed_weight is None for m in linears)
     rows = []

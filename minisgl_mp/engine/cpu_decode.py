@@ -1,4 +1,4 @@
-"""All decoder layers of a CPU decode step in one C call (`--no-cpu-decode-plan` turns it off).
+"""All decoder layers of a CPU step in one C call (`--no-cpu-decode-plan` turns it off).
 
 A decode step runs ~10 small kernels a layer, each behind a Python module and a ctypes wrapper.
 At small batches the products are bound by reading the weights, and the rest of each call
@@ -10,9 +10,13 @@ addresses.
 
 It takes the layers of a float32 Qwen3-style dense decoder (per-head q/k norms, fused qkv and
 gate/up projections, no tensor parallelism) whose every product and norm runs a C kernel, over
-the `cpu` attention backend, for steps whose requests each bring one token (decodes), fewer
-than `Linear.DENSE_MIN_ROWS` of them (where the modules' products take the same C kernels).
-Anything else runs through the modules, as before: the model files stay the math.
+the `cpu` attention backend. Steps with prompt chunks are taken too, mixed with decodes or not
+(a mixed step paid the modules' Python calls once more than a decode step, docs/benchmarks.md
+section 26), as long as every request's attention runs a C kernel (not the `sdpa` fallback)
+and every product takes the step's rows in C: float32 panels without oneDNN's copy and bfloat16
+tiles at any size, stored float16 / bfloat16 / int8 weights below `Linear.DENSE_MIN_ROWS`,
+panels beside oneDNN's copy up to `Linear.PANELS_MAX_ROWS`. Anything else runs through the
+modules, as before: the model files stay the math.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import torch
 
 from minisgl_mp.attention.base import AttentionContext
-from minisgl_mp.attention.cpu import CpuBackend, CpuMetadata
+from minisgl_mp.attention.cpu import CpuBackend, CpuMetadata, KernelRun
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.layers.linear import Linear
@@ -48,12 +52,27 @@ class _Layer(ctypes.Structure):  # dl_layer
                 ("k_pool", _vp), ("v_pool", _vp)]
 
 
+class _Run(ctypes.Structure):  # dl_run
+    _fields_ = [("kv_index", _vp), ("stride", _i64), ("batch", _i64), ("q_start", _vp), ("q_len", _vp),
+                ("kv_len", _vp)]
+
+    @classmethod
+    def of(cls, run: KernelRun | None) -> _Run:
+        if run is None:
+            return cls(None, 0, 0, None, None, None)
+        return cls(run.kv_index.data_ptr(), run.kv_index.shape[1], run.q_start.numel(), run.q_start.data_ptr(),
+                   run.q_len.data_ptr(), run.kv_len.data_ptr())
+
+
+_EXT_F32, _EXT_AMX, _EXT_BF16DOT = 0, 1, 2  # decode_layers.c: which blocked kernel takes prompt chunks
+
+
 class _Step(ctypes.Structure):  # dl_step
     _fields_ = [("m", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
-                ("kv_bf16", _i64), ("cos_sin", _vp), ("pos", _vp), ("out_loc", _vp), ("kv_index", _vp),
-                ("stride", _i64), ("q_start", _vp), ("q_len", _vp), ("kv_len", _vp), ("key_splits", _i64),
-                ("scale", _f32), ("unused", _f32), ("bufs", _vp * 3), ("h", _vp), ("qkv", _vp), ("q", _vp),
-                ("k", _vp), ("attn", _vp), ("gate_up", _vp), ("act", _vp)]
+                ("kv_bf16", _i64), ("cos_sin", _vp), ("pos", _vp), ("out_loc", _vp), ("paged", _Run),
+                ("extend", _Run), ("key_splits", _i64), ("extend_kind", _i64), ("scale", _f32), ("unused", _f32),
+                ("bufs", _vp * 3), ("h", _vp), ("qkv", _vp), ("q", _vp), ("k", _vp), ("attn", _vp),
+                ("gate_up", _vp), ("act", _vp)]
 
 
 def _ptr(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
@@ -84,14 +103,21 @@ def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
     return None
 
 
+def _row_limit(m: Linear) -> str | None:
+    """Which of Linear's thresholds bounds the rows its C product takes (None: every batch)."""
+    if m.amx is not None or m.bf16dot is not None:
+        return None
+    if m.panels is not None:
+        return None if m.packed_weight is None else "PANELS_MAX_ROWS"
+    return "DENSE_MIN_ROWS"
+
+
 class CpuDecodePlan:
     """`plan(x, positions, attn)` runs every layer on the embeddings x and returns (x, residual)
     as the layer loop would, or None when this step is not one it takes."""
 
-    MAX_ROWS = Linear.DENSE_MIN_ROWS - 1
-
     def __init__(self, model: DecoderLM, backend: CpuBackend, pool: KVPool, lib: ctypes.CDLL,
-                 layers: list[_Layer], keep: list[torch.Tensor]) -> None:
+                 layers: list[_Layer], keep: list[torch.Tensor], row_limits: set[str]) -> None:
         cfg = model.config
         self.backend, self.lib = backend, lib
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
@@ -103,6 +129,15 @@ class CpuDecodePlan:
         # Every tensor the layers' addresses point into (weights, norms, the pool), held so none
         # is freed while the plan lives, even if a module were given a new weight.
         self._keep = keep
+        self._row_limits = row_limits
+
+    @property
+    def max_rows(self) -> int | None:
+        """The most rows a step may have for every product to run its C kernel, as the modules'
+        own dispatch decides it (read at each step: a benchmark may move Linear's thresholds)."""
+        limits = [Linear.DENSE_MIN_ROWS - 1 if name == "DENSE_MIN_ROWS" else Linear.PANELS_MAX_ROWS
+                  for name in self._row_limits]
+        return min(limits) if limits else None
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object, pool: KVPool) -> CpuDecodePlan | None:
@@ -118,6 +153,7 @@ class CpuDecodePlan:
         layer_bytes = pool.k.stride(0) * pool.k.element_size()
         keep: list[torch.Tensor] = [pool.k, pool.v]
         layers = []
+        row_limits: set[str] = set()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
@@ -125,10 +161,12 @@ class CpuDecodePlan:
                 *(_ptr(n.weight.data, keep) for n in norms), layer.input_layernorm.eps, attn.q_norm.eps,
                 *(_product(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                 pool.k.data_ptr() + i * layer_bytes, pool.v.data_ptr() + i * layer_bytes))
+            row_limits.update(filter(None, map(_row_limit, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                            mlp.down_proj))))
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_vp, _i64, ctypes.POINTER(_Step)]
-        logger.info("decode steps run their %d layers in one C call each", len(layers))
-        return cls(model, backend, pool, lib, layers, keep)
+        logger.info("steps run their %d layers in one C call each", len(layers))
+        return cls(model, backend, pool, lib, layers, keep, row_limits)
 
     @staticmethod
     def _unsupported(model: torch.nn.Module, backend: object, pool: KVPool) -> str | None:
@@ -162,14 +200,14 @@ class CpuDecodePlan:
                  attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         md = attn.metadata
         m = x.shape[0]
-        if (attn.backend is not self.backend or not isinstance(md, CpuMetadata) or md.kernel is None
-                or md.extend is not None or md.rest is not None or not 0 < m <= self.MAX_ROWS):
-            return None
-        run = md.kernel
-        if (run.q_start.numel() != m or x.dtype != torch.float32 or x.shape[1] != self.hidden
-                or not x.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
+        max_rows = self.max_rows
+        if (attn.backend is not self.backend or not isinstance(md, CpuMetadata) or md.rest is not None
+                or (md.kernel is None and md.extend is None) or m == 0 or (max_rows is not None and m > max_rows)):
+            return None  # attention outside the C kernels, or rows some product takes elsewhere
+        if (x.dtype != torch.float32 or x.shape[1] != self.hidden or not x.is_contiguous()
+                or positions.dtype != torch.int64 or not positions.is_contiguous()
                 or md.out_loc.dtype != torch.int64 or not md.out_loc.is_contiguous()):
-            return None  # a step whose requests bring more than one token, or unexpected inputs
+            return None  # unexpected inputs
         qkv_n = (self.hq + 2 * self.hkv) * self.d
         bufs = (x, torch.empty_like(x), torch.empty_like(x))
         h = torch.empty_like(x)
@@ -179,13 +217,18 @@ class CpuDecodePlan:
         out = x.new_empty((m, self.hq * self.d))
         gate_up = x.new_empty((m, 2 * self.inter))
         act = x.new_empty((m, self.inter))
+        paged = md.kernel
+        # As CpuBackend.forward calls its kernels: the paged one's key splits from its own batch.
+        key_splits = cpu_kernels.default_key_splits(paged.q_start.numel()) if paged is not None else 1
+        kind = _EXT_AMX if self.backend.extend_amx else _EXT_BF16DOT if self.backend.extend_dot else _EXT_F32
         step = _Step(m, self.hidden, self.hq, self.hkv, self.d, self.inter, int(self.kv_bf16),
-                     self.cos_sin.data_ptr(), positions.data_ptr(), md.out_loc.data_ptr(), run.kv_index.data_ptr(),
-                     run.kv_index.shape[1], run.q_start.data_ptr(), run.q_len.data_ptr(), run.kv_len.data_ptr(),
-                     cpu_kernels.default_key_splits(m), self.backend.scale, 0.0,
+                     self.cos_sin.data_ptr(), positions.data_ptr(), md.out_loc.data_ptr(), _Run.of(paged),
+                     _Run.of(md.extend), key_splits, kind, self.backend.scale, 0.0,
                      (_vp * 3)(*(b.data_ptr() for b in bufs)), h.data_ptr(), qkv.data_ptr(), q.data_ptr(),
                      k.data_ptr(), out.data_ptr(), gate_up.data_ptr(), act.data_ptr())
         rc = self.lib.decode_layers(self.layers, self.num_layers, ctypes.byref(step))
+        if rc == -2:
+            raise RuntimeError("the blocked attention kernel for prompt chunks does not run on this build or head dim")
         if rc < 0:
-            raise MemoryError("the CPU attention kernel or an AMX product could not allocate its scratch space")
+            raise MemoryError("a CPU attention kernel or a bfloat16 product could not allocate its scratch space")
         return bufs[rc // 4], bufs[rc % 4]

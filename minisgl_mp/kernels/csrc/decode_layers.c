@@ -1,9 +1,11 @@
 /*
- * Every decoder layer of a decode step in one call: the same kernels, in the same order and on
- * the same inputs, as the model's modules call one at a time from Python (engine/cpu_decode.py
- * says when it applies). At small batches each of those calls cost more around the kernel
- * (Python, ctypes, argument checks, caches the weights had just streamed through) than the
- * kernel's own work (docs/benchmarks.md section 21); here they are C calls.
+ * Every decoder layer of a step in one call: the same kernels, in the same order and on the
+ * same inputs, as the model's modules call one at a time from Python (engine/cpu_decode.py says
+ * when it applies). At small batches each of those calls cost more around the kernel (Python,
+ * ctypes, argument checks, caches the weights had just streamed through) than the kernel's own
+ * work (docs/benchmarks.md section 21); here they are C calls. A step may mix decodes and short
+ * extends (the paged kernel) with prompt chunks (the blocked kernel), as the attention backend
+ * splits them.
  *
  * A layer (Qwen3's: pre-norm, fused qkv, per-head q/k RMSNorm and rotary, paged attention,
  * SwiGLU):
@@ -40,6 +42,15 @@ int paged_attention_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
                            int64_t stride, const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len,
                            float *out, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale,
                            int64_t key_splits);
+int extend_attention_f32(const float *q, const float *k, const float *v, const int64_t *kv_index, int64_t stride,
+                         const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out,
+                         int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale);
+int extend_attention_amx(const float *q, const float *k, const float *v, const int64_t *kv_index, int64_t stride,
+                         const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out,
+                         int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale);
+int extend_attention_bf16dot(const float *q, const float *k, const float *v, const int64_t *kv_index, int64_t stride,
+                             const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out,
+                             int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale);
 
 /* One Linear: its weight as float32 panels (fmt -1, packed_gemm.c), as bfloat16 AMX tiles (fmt
  * FMT_AMX, amx_gemm.c), as bfloat16 pair panels (fmt FMT_BF16DOT, bf16dot_gemm.c) or in a
@@ -59,14 +70,23 @@ typedef struct {
     void *k_pool, *v_pool; /* this layer's K and V: [slots, hkv, d] */
 } dl_layer;
 
+/* The requests of one attention kernel: page-table rows and, per request, its first token row
+ * in the step, its new tokens and its keys (attention/cpu.py's KernelRun). */
+typedef struct {
+    const int64_t *kv_index;
+    int64_t stride, batch; /* batch 0: no request for this kernel */
+    const int64_t *q_start, *q_len, *kv_len;
+} dl_run;
+
+enum { EXT_F32 = 0, EXT_AMX = 1, EXT_BF16DOT = 2 };
+
 typedef struct {
     int64_t m, hidden, hq, hkv, d, inter, kv_bf16;
     const float *cos_sin;
     const int64_t *pos, *out_loc;
-    const int64_t *kv_index;
-    int64_t stride;
-    const int64_t *q_start, *q_len, *kv_len;
-    int64_t key_splits;
+    dl_run paged;  /* decodes and short extends: paged_attention.c */
+    dl_run extend; /* prompt chunks: the blocked kernel, float32 pools only */
+    int64_t key_splits, extend_kind;
     float scale, unused;
     float *bufs[3]; /* [m, hidden] each; bufs[0] holds the embeddings on entry */
     float *h, *qkv, *q, *k, *attn, *gate_up, *act;
@@ -85,8 +105,38 @@ static int product(const dl_product *p, const float *x, int64_t m, float *y) {
     return 0;
 }
 
-/* Returns x's buffer index * 4 + the residual's, or -1 when attention or a bfloat16 product
- * could not allocate its scratch space (the outputs are then incomplete). */
+/* Attention for every request of the step, from the pool this layer's K/V were just stored in:
+ * 0, or the first kernel's error. */
+static int attention(const dl_layer *L, const dl_step *s) {
+    const int64_t hq = s->hq, hkv = s->hkv, d = s->d;
+    const dl_run *p = &s->paged, *e = &s->extend;
+    if (p->batch) {
+        const int rc = s->kv_bf16
+            ? paged_attention_bf16kv(s->q, (const uint16_t *)L->k_pool, (const uint16_t *)L->v_pool, p->kv_index,
+                                     p->stride, p->q_start, p->q_len, p->kv_len, s->attn, p->batch, hq, hkv, d,
+                                     s->scale, s->key_splits)
+            : paged_attention_f32(s->q, (const float *)L->k_pool, (const float *)L->v_pool, p->kv_index, p->stride,
+                                  p->q_start, p->q_len, p->kv_len, s->attn, p->batch, hq, hkv, d, s->scale,
+                                  s->key_splits);
+        if (rc != 0) return rc;
+    }
+    if (e->batch) {
+        const float *k = (const float *)L->k_pool, *v = (const float *)L->v_pool;
+        if (s->extend_kind == EXT_AMX)
+            return extend_attention_amx(s->q, k, v, e->kv_index, e->stride, e->q_start, e->q_len, e->kv_len, s->attn,
+                                        e->batch, hq, hkv, d, s->scale);
+        if (s->extend_kind == EXT_BF16DOT)
+            return extend_attention_bf16dot(s->q, k, v, e->kv_index, e->stride, e->q_start, e->q_len, e->kv_len,
+                                            s->attn, e->batch, hq, hkv, d, s->scale);
+        return extend_attention_f32(s->q, k, v, e->kv_index, e->stride, e->q_start, e->q_len, e->kv_len, s->attn,
+                                    e->batch, hq, hkv, d, s->scale);
+    }
+    return 0;
+}
+
+/* Returns x's buffer index * 4 + the residual's, -1 when attention or a bfloat16 product could
+ * not allocate its scratch space, or -2 when a blocked attention kernel does not run here (its
+ * build or head dim; the plan checks for neither beforehand). The outputs are then incomplete. */
 int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
     const int64_t m = s->m, hq = s->hq, hkv = s->hkv, d = s->d;
     const int64_t qkv_n = (hq + 2 * hkv) * d;
@@ -100,13 +150,8 @@ int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
                          s->k);
         kv_store_f32(s->k, hkv * d, s->qkv + (hq + hkv) * d, qkv_n, s->out_loc, m, hkv * d, L->k_pool, L->v_pool,
                      (int)s->kv_bf16);
-        const int rc = s->kv_bf16
-            ? paged_attention_bf16kv(s->q, (const uint16_t *)L->k_pool, (const uint16_t *)L->v_pool, s->kv_index,
-                                     s->stride, s->q_start, s->q_len, s->kv_len, s->attn, m, hq, hkv, d, s->scale,
-                                     s->key_splits)
-            : paged_attention_f32(s->q, (const float *)L->k_pool, (const float *)L->v_pool, s->kv_index, s->stride,
-                                  s->q_start, s->q_len, s->kv_len, s->attn, m, hq, hkv, d, s->scale, s->key_splits);
-        if (rc != 0) return -1;
+        const int rc = attention(L, s);
+        if (rc != 0) return rc == -2 ? -2 : -1;
         const int oi = (ri + 1) % 3;
         if (product(&L->o, s->attn, m, s->bufs[oi])) return -1;
         add_rmsnorm_f32(s->bufs[oi], s->bufs[ri], L->post_norm, L->eps, s->h, m, s->hidden);
