@@ -242,13 +242,31 @@ def test_prefill_products_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_decode_plan_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     assert load_tool("bench_decode_plan").main([
-        "--model", str(tiny_model_dir), "--formats", "float32,int8", "--batch-sizes", "1,2", "--context", "8",
-        "--steps", "2", "--rounds", "2", "--out", str(out)]) == 0
+        "--model", str(tiny_model_dir), "--formats", "float32,int8", "--batch-sizes", "1,2", "--chunks", "0,24",
+        "--context", "8", "--steps", "2", "--rounds", "2", "--out", str(out)]) == 0
     results = read(out)["results"]
     for fmt in ("float32", "int8"):
         rows = results[fmt]["rows"]
-        assert [r["batch"] for r in rows] == [1, 2]
+        assert [(r["batch"], r["chunk"]) for r in rows] == [(1, 0), (1, 24), (2, 0), (2, 24)]
         assert all(len(r["plan_ms"]) == len(r["modules_ms"]) == 2 and r["median_ratio"] > 0 for r in rows)
+    # A step of no decodes and no chunk is no step: refused before loading anything.
+    assert load_tool("bench_decode_plan").main(["--batch-sizes", "0", "--chunks", "0", "--out", str(out)]) == 2
+
+
+def test_decode_steps_beside_a_prompt_chunk(tiny_model_dir: Path) -> None:
+    """Each timed step of `chunk` > 0 is the decodes plus one fresh prompt of that length."""
+    from minisgl_mp import LLM
+    from minisgl_mp.bench.decode_floor import engine_decode_steps
+
+    llm = LLM(str(tiny_model_dir), device="cpu", num_pages=1024)
+    sched = llm.scheduler
+    times = engine_decode_steps(llm, 3, 20, steps=4, warmup=1, token_range=1000, seed=0, progress=False, chunk=40)
+    assert len(times) == 4 and not sched.has_work
+    assert sched.stats.prefill_tokens == 3 * 20 + 5 * 40  # the decodes' prompts, then one chunk a step
+    # No decodes: prefill-only steps of one chunk each.
+    times = engine_decode_steps(llm, 0, 20, steps=2, warmup=1, token_range=1000, seed=0, progress=False, chunk=40)
+    assert len(times) == 2 and sched.stats.prefill_tokens == 3 * 20 + 8 * 40
+    llm.shutdown()
 
 
 @pytest.mark.timeout(300)

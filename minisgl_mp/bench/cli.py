@@ -79,15 +79,21 @@ def _positive(args: argparse.Namespace, name: str) -> int:
     return value
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, minimum: int = 1) -> list[int]:
     """'1,8,32' -> [1, 8, 32] (argparse type)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        what = "positive integers" if minimum == 1 else f"integers of at least {minimum}"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return values
+
+
+def count_list(text: str) -> list[int]:
+    """'0,32,256' -> [0, 32, 256]: int_list with 0 allowed (argparse type)."""
+    return int_list(text, minimum=0)
 
 
 def token_range_of(tokenizer: Any, vocab_size: int) -> int:

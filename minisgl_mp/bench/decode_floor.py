@@ -97,11 +97,14 @@ def chains(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Call
 
 
 def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: int,
-                        token_range: int, seed: int, progress: bool = True) -> list[float]:
-    """Seconds of each of `steps` scheduler steps with exactly `batch` requests decoding."""
+                        token_range: int, seed: int, progress: bool = True, chunk: int = 0) -> list[float]:
+    """Seconds of each of `steps` scheduler steps with exactly `batch` requests decoding.
+    `chunk` > 0: each timed (and warm-up) step also prefills a fresh `chunk`-token prompt of one
+    output token beside them, a mixed step as a serving engine runs when a request arrives."""
     sched = llm.scheduler
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
+    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rids = [f"floor-{batch}-{i}" for i in range(batch)]
     for rid in rids:
         sched.add_request(rid, torch.randint(token_range, (context,), generator=gen).tolist(), params)
@@ -110,26 +113,37 @@ def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: 
     # steps apart would finish steps apart, and the timed steps would not all be `batch` decodes.
     budget = sched.prefill_budget
     ratio, budget.ratio = budget.ratio, None
-    chunk, budget.max_tokens = budget.max_tokens, max(budget.max_tokens, batch * context)
+    max_tokens, budget.max_tokens = budget.max_tokens, max(budget.max_tokens, batch * context, chunk)
+    arrivals = iter(range(warmup + steps))
+
+    def arrive() -> None:
+        if chunk:
+            sched.add_request(f"floor-chunk-{batch}-{next(arrivals)}",
+                              torch.randint(token_range, (chunk,), generator=gen).tolist(), once)
+
     try:
         while sched.waiting or any(not r.is_decoding for r in sched.running):
             sched.step()
         for _ in range(warmup):
+            arrive()
             sched.step()
         times = []
-        for _ in tqdm(range(steps), desc=f"engine decode B={batch}", disable=not progress, leave=False):
+        what = f"engine {'mixed' if chunk else 'decode'} B={batch}" + (f" + {chunk}" if chunk else "")
+        for _ in tqdm(range(steps), desc=what, disable=not progress, leave=False):
+            arrive()
             before = sched.stats.decode_tokens, sched.stats.prefill_tokens
             start = time.perf_counter()
             outs = sched.step()
             times.append(time.perf_counter() - start)
             decoded, prefilled = sched.stats.decode_tokens - before[0], sched.stats.prefill_tokens - before[1]
-            if len(outs) != batch or decoded != batch or prefilled or any(len(o.new_token_ids) != 1 for o in outs):
+            if (len(outs) != batch + bool(chunk) or decoded != batch or prefilled != chunk
+                    or any(len(o.new_token_ids) != 1 for o in outs)):
                 raise RuntimeError(
-                    f"a timed step was not {batch} decodes: {len(outs)} outputs, {decoded} decode and "
-                    f"{prefilled} prefill tokens (retracted? give the KV pool more pages)")
+                    f"a timed step was not {batch} decodes beside {chunk} prompt tokens: {len(outs)} outputs, "
+                    f"{decoded} decode and {prefilled} prefill tokens (retracted? give the KV pool more pages)")
         return times
     finally:
-        budget.ratio, budget.max_tokens = ratio, chunk
+        budget.ratio, budget.max_tokens = ratio, max_tokens
         for rid in rids:
             sched.abort(rid)
         while sched.has_work:
