@@ -121,6 +121,7 @@ static int attention(const dl_layer *L, const dl_step *s) {
         if (rc != 0) return rc;
     }
     if (e->batch) {
+        if (s->kv_bf16) return -2; /* the blocked kernels read float32 pools only */
         const float *k = (const float *)L->k_pool, *v = (const float *)L->v_pool;
         if (s->extend_kind == EXT_AMX)
             return extend_attention_amx(s->q, k, v, e->kv_index, e->stride, e->q_start, e->q_len, e->kv_len, s->attn,
@@ -135,8 +136,10 @@ static int attention(const dl_layer *L, const dl_step *s) {
 }
 
 /* Returns x's buffer index * 4 + the residual's, -1 when attention or a bfloat16 product could
- * not allocate its scratch space, or -2 when a blocked attention kernel does not run here (its
- * build or head dim; the plan checks for neither beforehand). The outputs are then incomplete. */
+ * not allocate its scratch space, or -2 when a blocked attention kernel cannot take the step (its
+ * build, the head dim, a bfloat16 pool: the attention backend chooses so that this does not
+ * happen, and the check keeps a disagreement from reading the pool wrong). The outputs are then
+ * incomplete. */
 int decode_layers(const dl_layer *layers, int64_t n_layers, const dl_step *s) {
     const int64_t m = s->m, hq = s->hq, hkv = s->hkv, d = s->d;
     const int64_t qkv_n = (hq + 2 * hkv) * d;
