@@ -228,7 +228,8 @@ class CpuDecodePlan:
                      k.data_ptr(), out.data_ptr(), gate_up.data_ptr(), act.data_ptr())
         rc = self.lib.decode_layers(self.layers, self.num_layers, ctypes.byref(step))
         if rc == -2:
-            raise RuntimeError("the blocked attention kernel for prompt chunks cannot take this step (build, head dim or pool)")
+            raise RuntimeError("the blocked attention kernel for prompt chunks cannot take this step "
+                               "(build, head dim or pool)")
         if rc < 0:
             raise MemoryError("a CPU attention kernel or a bfloat16 product could not allocate its scratch space")
         return bufs[rc // 4], bufs[rc % 4]
