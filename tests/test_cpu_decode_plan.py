@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 
 def _kind(layout) -> str:
-    """decode: one token a request; short: runs all for the paged kernel (at most
-    KERNEL_MAX_QUERY tokens); chunk: some prompt chunk for the blocked kernel."""
+    """decode: one token a request; short: every request's new tokens for the paged kernel (at
+    most KERNEL_MAX_QUERY); chunk: some prompt chunk for the blocked kernel."""
     lens = layout.extend_lens
     if all(n == 1 for n in lens):
         return "decode"

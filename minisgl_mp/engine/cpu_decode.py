@@ -104,12 +104,13 @@ def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
 
 
 def _row_limit(m: Linear) -> str | None:
-    """Which of Linear's thresholds bounds the rows its C product takes (None: every batch)."""
+    """Which of Linear's thresholds bounds the rows its C product takes: "panels" (beside
+    oneDNN's copy, up to PANELS_MAX_ROWS), "stored" (below DENSE_MIN_ROWS), None (every batch)."""
     if m.amx is not None or m.bf16dot is not None:
         return None
     if m.panels is not None:
-        return None if m.packed_weight is None else "PANELS_MAX_ROWS"
-    return "DENSE_MIN_ROWS"
+        return None if m.packed_weight is None else "panels"
+    return "stored"
 
 
 class CpuDecodePlan:
@@ -135,9 +136,8 @@ class CpuDecodePlan:
     def max_rows(self) -> int | None:
         """The most rows a step may have for every product to run its C kernel, as the modules'
         own dispatch decides it (read at each step: a benchmark may move Linear's thresholds)."""
-        limits = [Linear.DENSE_MIN_ROWS - 1 if name == "DENSE_MIN_ROWS" else Linear.PANELS_MAX_ROWS
-                  for name in self._row_limits]
-        return min(limits) if limits else None
+        limits = {"stored": Linear.DENSE_MIN_ROWS - 1, "panels": Linear.PANELS_MAX_ROWS}
+        return min((limits[name] for name in self._row_limits), default=None)
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object, pool: KVPool) -> CpuDecodePlan | None:
