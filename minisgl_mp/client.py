@@ -147,13 +147,15 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            reply = msgpack.unpackb(await self.sock.recv(), raw=False)
-            q = self._queues.get(reply.get("rid"))
-            if q is not None:
-                q.put_nowait(reply)
-            elif reply.get("rid") is None:
-                for q in self._queues.values():
+            # A step's updates of the streams on this socket come as the frames of one message.
+            for frame in await self.sock.recv_multipart():
+                reply = msgpack.unpackb(frame, raw=False)
+                q = self._queues.get(reply.get("rid"))
+                if q is not None:
                     q.put_nowait(reply)
+                elif reply.get("rid") is None:
+                    for q in self._queues.values():
+                        q.put_nowait(reply)
 
     async def stream(self, text: str | None = None, *, input_ids: list[int] | None = None,
                      messages: list[dict[str, Any]] | None = None, sampling_params: dict[str, Any] | None = None,

@@ -75,6 +75,21 @@ def test_every_message_type_is_covered() -> None:
             assert (channel.name, cls) in carried, f"{cls.__name__} on {channel.name} has no round-trip case"
 
 
+def test_a_field_with_a_default_may_be_left_out() -> None:
+    """Decoding builds messages without their __init__ (the fast path): what it builds must be
+    the message the constructor would, defaults included, and as frozen."""
+    raw = msgpack.unpackb(DETOKENIZER_CHANNEL.encode(BatchTokenOut([TOKEN_OUT])), raw=False)
+    del raw["outputs"][0]["detok"], raw["outputs"][0]["prompt_logprobs"]
+    (got,) = DETOKENIZER_CHANNEL.decode(msgpack.packb(raw, use_bin_type=True)).outputs
+    want = dataclasses.replace(TOKEN_OUT, detok=None, prompt_logprobs=None)
+    assert got == want and type(got) is TokenOut
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.rid = "changed"  # type: ignore[misc]
+    del raw["outputs"][0]["rid"]
+    with pytest.raises(WireError, match=r"batch_token_out\.outputs\[0\]: missing field 'rid'"):
+        DETOKENIZER_CHANNEL.decode(msgpack.packb(raw, use_bin_type=True))
+
+
 def test_token_ids_travel_packed_not_as_lists() -> None:
     data = SCHEDULER_CHANNEL.encode(GenerateReq("g", list(range(1000)), {}))
     raw = msgpack.unpackb(data, raw=False)

@@ -146,6 +146,39 @@ def test_64_concurrent_streams_are_complete_and_correct(server: ServerProcess, c
     assert_pages_free(client.admin("stats")["result"])
 
 
+def test_one_sockets_streams_come_batched_as_frames_of_one_message(server: ServerProcess,
+                                                                   reference: dict[str, Any]) -> None:
+    """Streams sharing a socket get each step's updates as the frames of one multipart message
+    (one send a step, not one a stream); every frame is a reply map, so a reader that takes
+    frames one by one sees exactly what it saw before, and no update is lost or reordered."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.zmq)
+    prompts = PROMPTS[:4]
+    try:
+        for i, prompt in enumerate(prompts):
+            sock.send(msgpack.packb({"rid": f"batched-{i}", "text": prompt, "sampling_params": GREEDY,
+                                     "stream": True}))
+        chunks: dict[str, list[dict[str, Any]]] = {f"batched-{i}": [] for i in range(len(prompts))}
+        frames_per_message = []
+        while not all(c and c[-1]["finished"] for c in chunks.values()):
+            assert sock.poll(60_000), "no reply within 60 s"
+            frames = sock.recv_multipart()
+            frames_per_message.append(len(frames))
+            for frame in frames:
+                reply = msgpack.unpackb(frame, raw=False)
+                chunks[reply["rid"]].append(reply)
+    finally:
+        sock.close()
+    assert max(frames_per_message) > 1, frames_per_message  # the streams decode in the same steps
+    for i, prompt in enumerate(prompts):
+        got = chunks[f"batched-{i}"]
+        assert [c["finished"] for c in got] == [False] * (len(got) - 1) + [True], prompt
+        assert [t for c in got for t in c["token_ids"]] == reference["prompts"][prompt]["token_ids"], prompt
+
+
 def test_a_repeated_prefix_comes_from_the_cache_with_the_same_output(client: Client, reference: dict[str, Any]) -> None:
     first, second = (client.generate(p, sampling_params=GREEDY) for p in CACHE_PROMPTS)
     prefix_len = len(reference["tokenizer"].encode(CACHE_PREFIX))
@@ -184,6 +217,26 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(server: Se
     assert stats["decode_tokens"] - before["decode_tokens"] < 500  # stopped, not run to its 3000 tokens
     assert_pages_free(stats)
     assert any("aborted: the client disconnected" in line for line in server.read_log())
+
+
+def test_a_client_that_disconnects_loses_every_stream_on_its_socket(server: ServerProcess, client: Client) -> None:
+    """Its streams' updates travel in one message a step: the one that cannot be delivered
+    aborts all of them, and their pages come back."""
+    before = client.admin("stats")["result"]
+    gone = Client(server.zmq, timeout=60)
+    for i in range(3):
+        gone.sock.send(msgpack.packb({"rid": f"gone-{i}", "text": "Tell me everything:", "sampling_params": LONG,
+                                      "stream": True}))
+    seen: set[str] = set()
+    while len(seen) < 3:  # all three are running
+        seen.add(recv(gone)["rid"])
+    gone.close()
+    deadline = time.monotonic() + 30
+    while (stats := client.admin("stats")["result"])["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats["aborted"] == before["aborted"] + 3
+    assert stats["decode_tokens"] - before["decode_tokens"] < 3 * 500
+    assert_pages_free(stats)
 
 
 def test_a_duplicate_request_id_is_refused_while_the_first_runs(server: ServerProcess) -> None:

@@ -14,7 +14,7 @@ import sys
 import types
 import typing
 from array import array
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Callable, Union
 
 import msgpack
 
@@ -55,11 +55,14 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise WireError(f"msgpack extension type {code} is not accepted")
 
 
+_TIMESTAMP_ERROR = "msgpack extension type -1 (timestamp) is not accepted"
+
+
 # msgpack decodes extension type -1 (timestamp) itself, without asking ext_hook: catch it in
 # the containers it can only appear in (a bare timestamp is no map, so it fails anyway).
 def _no_timestamp_list(items: list[Any]) -> list[Any]:
     if any(isinstance(x, msgpack.Timestamp) for x in items):
-        raise WireError("msgpack extension type -1 (timestamp) is not accepted")
+        raise WireError(_TIMESTAMP_ERROR)
     return items
 
 
@@ -68,97 +71,238 @@ def _no_timestamp_map(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def _check(value: Any, tp: Any, path: str) -> Any:
-    """Validate `value` against annotation `tp`; returns it in Python form."""
+def _has_timestamp(value: Any) -> bool:
+    if isinstance(value, msgpack.Timestamp):
+        return True
+    if isinstance(value, list):
+        return any(_has_timestamp(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_timestamp(v) for v in value.values())
+    return False
+
+
+class _FieldError(WireError):
+    """A field that fails its check; the path from the message down to it is prepended as the
+    error travels up, so the hot path builds no path strings."""
+
+    def __init__(self, problem: str, path: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.path = path
+
+    def under(self, segment: str) -> _FieldError:
+        self.path = segment + self.path
+        return self
+
+    def at(self, root: str) -> WireError:
+        return WireError(f"{root}{self.path}: {self.problem}")
+
+
+Decoder = Callable[[Any], Any]
+Encoder = Callable[[Any], Any]
+
+
+def _got(value: Any) -> str:
+    return type(value).__name__
+
+
+def _scalar_decoder(tp: Any) -> Decoder:
+    if tp is bool:
+        def dec(v: Any) -> Any:
+            if v is True or v is False:
+                return v
+            raise _FieldError(f"expected a boolean, got {_got(v)}")
+    elif tp is int:
+        def dec(v: Any) -> Any:
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+            raise _FieldError(f"expected an integer, got {_got(v)}")
+    elif tp is float:
+        def dec(v: Any) -> Any:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return float(v)
+            raise _FieldError(f"expected a number, got {_got(v)}")
+    elif tp in (str, bytes):
+        def dec(v: Any) -> Any:
+            if isinstance(v, tp):
+                return v
+            raise _FieldError(f"expected {tp.__name__}, got {_got(v)}")
+    else:
+        raise TypeError(f"unsupported field type {tp!r}")
+    return dec
+
+
+def _decode_packed(v: Any) -> list[int]:
+    if not isinstance(v, bytes):
+        raise _FieldError(f"expected packed int32 bytes, got {_got(v)}")
+    try:
+        return unpack_ids(v)
+    except WireError as e:
+        raise _FieldError(str(e)) from None
+
+
+def _decode_any(v: Any) -> Any:
+    if _has_timestamp(v):
+        raise _FieldError(_TIMESTAMP_ERROR)
+    return v
+
+
+def _decode_map(v: Any) -> Any:
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise _FieldError(f"expected a map with string keys, got {_got(v)}")
+    return _decode_any(v)
+
+
+def _list_decoder(item: Decoder) -> Decoder:
+    def dec(v: Any) -> Any:
+        if not isinstance(v, list):
+            raise _FieldError(f"expected a list, got {_got(v)}")
+        try:
+            return [item(x) for x in v]
+        except _FieldError as e:
+            index = next(i for i, x in enumerate(v) if not _passes(item, x))
+            raise e.under(f"[{index}]") from None
+    return dec
+
+
+def _passes(dec: Decoder, value: Any) -> bool:
+    try:
+        dec(value)
+    except _FieldError:
+        return False
+    return True
+
+
+def _union_decoder(args: tuple[Any, ...]) -> Decoder:
+    optional = type(None) in args
+    arms = [_decoder(a) for a in args if a is not type(None)]
+    names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+
+    def dec(v: Any) -> Any:
+        if v is None and optional:
+            return None
+        for arm in arms:
+            try:
+                return arm(v)
+            except _FieldError:
+                pass
+        raise _FieldError(f"expected {names}, got {_got(v)}")
+    return dec
+
+
+def _decoder(tp: Any) -> Decoder:
+    """The check of one annotation, built once per message class: the value in Python form,
+    or a _FieldError that says what is wrong."""
     origin = typing.get_origin(tp)
     if origin is Annotated:
         base, *meta = typing.get_args(tp)
-        if _Packed in meta:
-            if not isinstance(value, bytes):
-                raise WireError(f"{path}: expected packed int32 bytes, got {type(value).__name__}")
-            return unpack_ids(value)
-        return _check(value, base, path)
+        return _decode_packed if _Packed in meta else _decoder(base)
     if origin in (Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            if arm is type(None):
-                if value is None:
-                    return None
+        return _union_decoder(typing.get_args(tp))
+    if tp is Any:
+        return _decode_any
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return _list_decoder(_decoder(item))
+    if origin is dict or tp is dict:
+        return _decode_map
+    if dataclasses.is_dataclass(tp):
+        return _codec(tp).decode_fields
+    return _scalar_decoder(tp)
+
+
+def _encoder(tp: Any) -> Encoder | None:
+    """How one annotation's value goes on the wire; None where it goes as it is."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        return pack_ids if _Packed in meta else _encoder(base)
+    if origin in (Union, types.UnionType):
+        arms = [e for e in (_encoder(a) for a in typing.get_args(tp) if a is not type(None)) if e is not None]
+        if not arms:
+            return None
+        if len(arms) > 1:
+            raise TypeError(f"a union of several encoded types is not supported: {tp!r}")
+        (arm,) = arms
+        return lambda v: None if v is None else arm(v)
+    if origin is list:
+        item = _encoder(typing.get_args(tp)[0])
+        return None if item is None else (lambda v: [item(x) for x in v])
+    if dataclasses.is_dataclass(tp):
+        return _codec(tp).encode_fields
+    return None
+
+
+class _ClassCodec:
+    """One message class's decode and encode, compiled from its annotations."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        fields = dataclasses.fields(cls)
+        self.names = frozenset(f.name for f in fields) | {"t", "v"}
+        self.defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory
+                         for f in fields
+                         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        self.factories = {f.name for f in fields if f.default_factory is not dataclasses.MISSING}
+        # A decoded message is built without calling __init__ (a frozen dataclass's sets each
+        # field through object.__setattr__, which costs more than all the checks): only for
+        # classes whose __init__ does nothing else.
+        self.direct = not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+        self._decoders: list[tuple[str, Decoder]] = []
+        self._encoders: list[tuple[str, Encoder | None]] = []
+
+    def compile(self) -> None:
+        hints = typing.get_type_hints(self.cls, include_extras=True)
+        names = [f.name for f in dataclasses.fields(self.cls)]
+        self._decoders = [(name, _decoder(hints[name])) for name in names]
+        self._encoders = [(name, _encoder(hints[name])) for name in names]
+
+    def decode_fields(self, d: Any) -> Any:
+        if not isinstance(d, dict):
+            raise _FieldError(f"expected a map, got {_got(d)}")
+        if not self.names.issuperset(d):
+            unknown = sorted(str(k) for k in d if k not in self.names)
+            raise _FieldError(f"unknown field(s) {', '.join(unknown)}")
+        try:  # every field present: what every message the engine encodes has
+            values = {name: dec(d[name]) for name, dec in self._decoders}
+        except (KeyError, _FieldError):
+            values = self._decode_slowly(d)
+        if not self.direct:
+            return self.cls(**values)
+        obj = object.__new__(self.cls)
+        obj.__dict__.update(values)
+        return obj
+
+    def _decode_slowly(self, d: dict[str, Any]) -> dict[str, Any]:
+        """Field by field, naming the one that is missing or wrong."""
+        values = {}
+        for name, dec in self._decoders:
+            if name not in d:
+                if name not in self.defaults:
+                    raise _FieldError(f"missing field {name!r}")
+                default = self.defaults[name]
+                values[name] = default() if name in self.factories else default
                 continue
             try:
-                return _check(value, arm, path)
-            except WireError:
-                pass
-        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp))
-        raise WireError(f"{path}: expected {names}, got {type(value).__name__}")
-    if tp is Any:
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise WireError(f"{path}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise WireError(f"{path}: expected a map with string keys, got {type(value).__name__}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise WireError(f"{path}: expected a boolean, got {type(value).__name__}")
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise WireError(f"{path}: expected an integer, got {type(value).__name__}")
-        return value
-    if tp is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise WireError(f"{path}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if tp in (str, bytes):
-        if not isinstance(value, tp):
-            raise WireError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _from_fields(tp, value, path)
-    raise TypeError(f"unsupported field type {tp!r} at {path}")
+                values[name] = dec(d[name])
+            except _FieldError as e:
+                raise e.under(f".{name}") from None
+        return values
+
+    def encode_fields(self, msg: Any) -> dict[str, Any]:
+        return {name: getattr(msg, name) if enc is None else enc(getattr(msg, name))
+                for name, enc in self._encoders}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    cached = cls.__dict__.get("_wire_hints")
-    if cached is None:
-        cached = typing.get_type_hints(cls, include_extras=True)
-        cls._wire_hints = cached  # type: ignore[attr-defined]
-    return cached
-
-
-def _from_fields(cls: type, d: Any, path: str) -> Any:
-    if not isinstance(d, dict):
-        raise WireError(f"{path}: expected a map, got {type(d).__name__}")
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(str(k) for k in d if k not in names and k not in ("t", "v"))
-    if unknown:
-        raise WireError(f"{path}: unknown field(s) {', '.join(unknown)}")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
-            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
-                continue
-            raise WireError(f"{path}: missing field {f.name!r}")
-        kwargs[f.name] = _check(d[f.name], hints[f.name], f"{path}.{f.name}")
-    return cls(**kwargs)
-
-
-def _to_wire(value: Any, tp: Any) -> Any:
-    if typing.get_origin(tp) is Annotated and _Packed in typing.get_args(tp)[1:]:
-        return pack_ids(value)
-    if dataclasses.is_dataclass(value):
-        hints = _hints(type(value))
-        return {f.name: _to_wire(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        args = typing.get_args(tp)
-        item = args[0] if typing.get_origin(tp) is list and args else Any
-        return [_to_wire(v, item) for v in value]
-    return value
+def _codec(cls: type) -> _ClassCodec:
+    """The class's compiled codec; built at first use, when every class its annotations name
+    exists. A class that refers to itself would recurse here: no message does."""
+    codec = cls.__dict__.get("_wire_codec")
+    if codec is None:
+        codec = _ClassCodec(cls)
+        codec.compile()
+        cls._wire_codec = codec  # type: ignore[attr-defined]
+    return codec
 
 
 class Channel:
@@ -173,28 +317,41 @@ class Channel:
         tag = type(msg).TAG
         if tag not in self._by_tag:
             raise TypeError(f"{type(msg).__name__} is not a message of channel {self.name}")
-        body = _to_wire(msg, type(msg))
+        body = _codec(type(msg)).encode_fields(msg)
         body["t"], body["v"] = tag, PROTOCOL_VERSION
         return msgpack.packb(body, use_bin_type=True)
 
     def decode(self, data: bytes) -> Any:
         if len(data) > self.max_bytes:
             raise WireError(f"message of {len(data)} bytes exceeds the {self.max_bytes}-byte bound")
-        d = unpack_map(data, self.max_bytes)
+        d = _unpack(data, self.max_bytes, hooks=False)
         tag, version = d.get("t"), d.get("v")
         if version != PROTOCOL_VERSION:
             raise WireError(f"protocol version {version!r} is not supported (expected {PROTOCOL_VERSION})")
         cls = self._by_tag.get(tag) if isinstance(tag, str) else None
         if cls is None:
             raise WireError(f"unknown message type {tag!r} on channel {self.name}")
-        return _from_fields(cls, d, tag)
+        try:
+            return _codec(cls).decode_fields(d)
+        except _FieldError as e:
+            raise e.at(tag) from None
 
 
 def unpack_map(data: bytes, max_bytes: int) -> dict[str, Any]:
     """msgpack bytes -> a map, refusing extension types and anything that is not a map."""
+    return _unpack(data, max_bytes, hooks=True)
+
+
+def _unpack(data: bytes, max_bytes: int, hooks: bool) -> dict[str, Any]:
+    """hooks=False leaves timestamps to the caller: a channel's typed fields refuse them by
+    type, and its free-form fields (Any, maps) look for them, so the hot path calls no Python
+    per container."""
     try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook,
-                            list_hook=_no_timestamp_list, object_hook=_no_timestamp_map)
+        if hooks:
+            d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook,
+                                list_hook=_no_timestamp_list, object_hook=_no_timestamp_map)
+        else:
+            d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
     except WireError:
         raise
     except Exception as e:  # msgpack raises several types for malformed input

@@ -75,7 +75,23 @@ class TokenizerManager:
         self._admin_waiters: dict[str, asyncio.Future[AdminReply]] = {}
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._batch_end: list[Callable[[], None]] = []
         self.stopping = False
+
+    def on_batch_end(self, hook: Callable[[], None]) -> None:
+        """Call `hook` once each batch of outputs (one scheduler step's) has been routed: a
+        frontend that buffered what its on_output callbacks were given sends it then, one
+        message per client rather than one per stream. It runs before any request's task
+        wakes, so a request's last output always follows its earlier ones."""
+        self._batch_end.append(hook)
+
+    def fail(self, rid: str, error: Exception) -> None:
+        """End a request from outside its task (a reply that could not be delivered): its
+        task raises `error`, which aborts it."""
+        state = self.states.get(rid)
+        if state is not None:
+            state.on_output = None
+            state.queue.put_nowait(_Failed(error))
 
     async def run_dispatch(self) -> None:
         """Route outputs from the detokenizer until cancelled."""
@@ -84,6 +100,8 @@ class TokenizerManager:
             if isinstance(msg, BatchTextOut):
                 for out in msg.outputs:
                     self._route(out.rid, out)
+                for hook in self._batch_end:
+                    hook()
             elif isinstance(msg, ReqError):
                 self._route(msg.rid, msg)
             elif isinstance(msg, AdminReply):
@@ -101,8 +119,7 @@ class TokenizerManager:
                     self._observe(state, msg)
                 state.on_output(msg)
             except Exception as e:  # noqa: BLE001 - raised in the request's own task, which aborts it
-                state.on_output = None
-                state.queue.put_nowait(_Failed(e))
+                self.fail(rid, e)
             return
         state.queue.put_nowait(msg)
 
