@@ -13,32 +13,43 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from minisgl_mp.detokenizer import IncrementalDetokenizer
+from minisgl_mp.detokenizer.byte_table import byte_table, byte_to_char
 
 REPLACEMENT = "\ufffd"
 
 
-def _byte_to_symbol() -> dict[int, str]:
-    """GPT-2 byte-level alphabet: byte value -> the character naming its vocab token."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+class _WindowOnly:
+    """The real tokenizer without its backend, so that no byte table is built for it and
+    IncrementalDetokenizer decodes through it (the path of tokenizers that are not byte-level)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+@pytest.fixture(scope="module", params=["byte table", "decode window"])
+def tokenizer(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Any:
+    """Every test runs on both paths: the byte table the tiny model's tokenizer gets, and the
+    decode window every other tokenizer gets."""
+    real = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    if request.param == "byte table":
+        assert byte_table(real) is not None
+        return real
+    assert byte_table(_WindowOnly(real)) is None
+    return _WindowOnly(real)
 
 
 @pytest.fixture(scope="module")
 def byte_ids(tokenizer: Any) -> list[int]:
     """byte_ids[b] is the id of the token that is exactly byte b."""
-    ids = tokenizer.convert_tokens_to_ids([_byte_to_symbol()[b] for b in range(256)])
+    ids = tokenizer.convert_tokens_to_ids([byte_to_char()[b] for b in range(256)])
     assert None not in ids and tokenizer.unk_token_id not in ids, "not a byte-level BPE"
     return ids
 
@@ -325,3 +336,25 @@ def test_random_token_sequences_match_decode(tokenizer, byte_ids, data):
     chunked = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, stop=stops)
     _stream(chunked, _random_chunks(rng, ids))
     assert (chunked.text, chunked.matched_stop) == (expected_text, expected_stop)
+
+
+def test_the_byte_table_is_only_used_where_it_decodes_as_the_tokenizer(tiny_model_dir: Path) -> None:
+    """A tokenizer that looks byte-level but decodes otherwise (here: a decode that changes
+    its text) gets no table, so its text comes from its own decode."""
+    real = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    class Shouting(_WindowOnly):
+        backend_tokenizer = real.backend_tokenizer
+
+        def decode(self, ids: Any, **kwargs: Any) -> str:
+            return self._inner.decode(ids, **kwargs).upper()
+
+    shouting = Shouting(real)
+    assert byte_table(shouting) is None
+    ids = real.encode("quiet words", add_special_tokens=False)
+    detok = IncrementalDetokenizer(shouting)
+    _stream(detok, [[i] for i in ids])
+    assert detok.text == "QUIET WORDS"
+    table = byte_table(real)
+    assert table is not None and byte_table(real) is table  # built once per tokenizer
+    assert table.skipped == frozenset(real.all_special_ids)

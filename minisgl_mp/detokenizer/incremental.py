@@ -10,6 +10,8 @@ Two stages, each append-only:
 1. ``_DecodeWindow`` turns tokens into *settled* text, the part of
    ``tokenizer.decode(all_tokens)`` that no later token can change. It decodes a short window of
    recent tokens per step and counts how many characters of that window's text are already out.
+   A byte-level BPE tokenizer whose decode its byte table reproduces (``byte_table.py``) gets
+   ``_ByteWindow`` instead: a table lookup and an incremental UTF-8 decoder per token.
 2. ``IncrementalDetokenizer`` looks for stop strings in the settled text and holds back any
    suffix that could still grow into one, so nothing is ever streamed and then taken back.
 
@@ -25,7 +27,10 @@ No torch here: the detokenizer process runs without it.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Sequence
+
+from minisgl_mp.detokenizer.byte_table import ByteTable, byte_table
 
 _REPLACEMENT = "\ufffd"
 # An incomplete UTF-8 sequence is at most 3 bytes, i.e. at most 3 trailing U+FFFD (byte-level BPE
@@ -129,6 +134,28 @@ class _DecodeWindow:
         )
 
 
+class _ByteWindow:
+    """What _DecodeWindow computes, for a tokenizer with a byte table (byte_table.py): each
+    token's bytes go through an incremental UTF-8 decoder, which holds back only an unfinished
+    character. The prompt is no context here: a byte-level decode of later tokens does not
+    depend on earlier whole characters, and a prompt that ends inside one is dropped as
+    _DecodeWindow drops it. A byte that can never start or continue a character shows as
+    U+FFFD at once (the window waits for more text), which the full decode has as well."""
+
+    def __init__(self, table: ByteTable, skip_special_tokens: bool) -> None:
+        self._bytes_of = table.bytes_of
+        self._skipped = table.skipped if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def append(self, token_id: int) -> str:
+        if token_id in self._skipped or not 0 <= token_id < len(self._bytes_of):
+            return ""
+        return self._utf8.decode(self._bytes_of[token_id])
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
 class IncrementalDetokenizer:
     """Streams one request's output text: UTF-8 safe, consistent with ``tokenizer.decode``,
     and cut right before the first stop string.
@@ -170,9 +197,10 @@ class IncrementalDetokenizer:
         # Chars before new text that a stop string ending in the new text can reach back into.
         self._lookback = max((len(s) for s in self._stops), default=1) - 1
         self._min_tokens = min_tokens
-        self._window = _DecodeWindow(
-            tokenizer, skip_special_tokens, prompt_ids[-PROMPT_TAIL_TOKENS:]
-        )
+        table = byte_table(tokenizer)
+        self._window: _DecodeWindow | _ByteWindow = (
+            _ByteWindow(table, skip_special_tokens) if table is not None
+            else _DecodeWindow(tokenizer, skip_special_tokens, prompt_ids[-PROMPT_TAIL_TOKENS:]))
         self._pending = ""  # settled text held back because it could still become a stop string
         self._tail = ""  # last self._lookback chars of returned text
         self._parts: list[str] = []

@@ -73,6 +73,7 @@ def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
     block_torch()
     import zmq
 
+    from minisgl_mp.detokenizer.byte_table import byte_table
     from minisgl_mp.engine.tokenizer import load_tokenizer
     from minisgl_mp.message.messages import DETOKENIZER_CHANNEL, TOKENIZER_CHANNEL
     from minisgl_mp.message.transport import PullQueue, PushQueue
@@ -80,6 +81,7 @@ def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
     tokenizer = load_tokenizer(config.model.tokenizer_dir)
     if tokenizer is None:
         raise RuntimeError(f"no tokenizer found in {config.model.tokenizer_dir}")
+    byte_table(tokenizer)  # built before the first request needs it
     ctx = zmq.Context()
     inbox = PullQueue(ctx, config.detokenizer_addr, DETOKENIZER_CHANNEL, bind=True)
     outbox = PushQueue(ctx, config.tokenizer_addr, TOKENIZER_CHANNEL)

@@ -12,6 +12,7 @@ import torch
 
 from minisgl_mp.constrained.base import create_grammar_backend
 from minisgl_mp.distributed.group import TPGroup
+from minisgl_mp.detokenizer.byte_table import byte_table
 from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine.tokenizer import load_tokenizer
@@ -82,6 +83,8 @@ def build_scheduler(config: EngineConfig, progress: bool = True, faults: FaultPl
     runner = ModelRunner(config, parts.source, parts.model_config, parts.device, parts.dtype,
                          parts.context_len, progress=progress, weight_dtype=parts.weight_dtype, tp=tp)
     make_checker = None if tokenizer is None else partial(stop_checker, tokenizer)
+    if tokenizer is not None:
+        byte_table(tokenizer)  # built now, not at the first request with a stop string
     grammar = create_grammar_backend(config.grammar_backend, tokenizer, parts.model_config.vocab_size, parts.eos_ids,
                                      config.constrained_json_any_whitespace)
     return Scheduler(config, runner, parts.eos_ids, make_checker, faults, grammar, tp), tokenizer
