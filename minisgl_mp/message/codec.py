@@ -58,26 +58,18 @@ def _ext_hook(code: int, data: bytes) -> Any:
 _TIMESTAMP_ERROR = "msgpack extension type -1 (timestamp) is not accepted"
 
 
-# msgpack decodes extension type -1 (timestamp) itself, without asking ext_hook: catch it in
-# the containers it can only appear in (a bare timestamp is no map, so it fails anyway).
-def _no_timestamp_list(items: list[Any]) -> list[Any]:
-    if any(isinstance(x, msgpack.Timestamp) for x in items):
-        raise WireError(_TIMESTAMP_ERROR)
-    return items
-
-
-def _no_timestamp_map(d: dict[str, Any]) -> dict[str, Any]:
-    _no_timestamp_list(list(d.values()))
-    return d
-
-
 def _has_timestamp(value: Any) -> bool:
-    if isinstance(value, msgpack.Timestamp):
-        return True
-    if isinstance(value, list):
-        return any(_has_timestamp(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_timestamp(v) for v in value.values())
+    """msgpack decodes extension type -1 (timestamp) itself, without asking ext_hook: look for
+    one anywhere in a decoded value (a loop, not recursion: nesting is the sender's choice)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, msgpack.Timestamp):
+            return True
+        if isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
     return False
 
 
@@ -239,23 +231,19 @@ class _ClassCodec:
     def __init__(self, cls: type) -> None:
         self.cls = cls
         fields = dataclasses.fields(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         self.names = frozenset(f.name for f in fields) | {"t", "v"}
-        self.defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory
-                         for f in fields
-                         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
-        self.factories = {f.name for f in fields if f.default_factory is not dataclasses.MISSING}
+        # What a field left out of the map gets: name -> a maker of its default.
+        self.defaults: dict[str, Callable[[], Any]] = {
+            f.name: f.default_factory if f.default_factory is not dataclasses.MISSING
+            else (lambda value=f.default: value)
+            for f in fields if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
         # A decoded message is built without calling __init__ (a frozen dataclass's sets each
         # field through object.__setattr__, which costs more than all the checks): only for
         # classes whose __init__ does nothing else.
         self.direct = not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
-        self._decoders: list[tuple[str, Decoder]] = []
-        self._encoders: list[tuple[str, Encoder | None]] = []
-
-    def compile(self) -> None:
-        hints = typing.get_type_hints(self.cls, include_extras=True)
-        names = [f.name for f in dataclasses.fields(self.cls)]
-        self._decoders = [(name, _decoder(hints[name])) for name in names]
-        self._encoders = [(name, _encoder(hints[name])) for name in names]
+        self._decoders = [(f.name, _decoder(hints[f.name])) for f in fields]
+        self._encoders = [(f.name, _encoder(hints[f.name])) for f in fields]
 
     def decode_fields(self, d: Any) -> Any:
         if not isinstance(d, dict):
@@ -280,8 +268,7 @@ class _ClassCodec:
             if name not in d:
                 if name not in self.defaults:
                     raise _FieldError(f"missing field {name!r}")
-                default = self.defaults[name]
-                values[name] = default() if name in self.factories else default
+                values[name] = self.defaults[name]()
                 continue
             try:
                 values[name] = dec(d[name])
@@ -300,7 +287,6 @@ def _codec(cls: type) -> _ClassCodec:
     codec = cls.__dict__.get("_wire_codec")
     if codec is None:
         codec = _ClassCodec(cls)
-        codec.compile()
         cls._wire_codec = codec  # type: ignore[attr-defined]
     return codec
 
@@ -324,7 +310,7 @@ class Channel:
     def decode(self, data: bytes) -> Any:
         if len(data) > self.max_bytes:
             raise WireError(f"message of {len(data)} bytes exceeds the {self.max_bytes}-byte bound")
-        d = _unpack(data, self.max_bytes, hooks=False)
+        d = _unpack(data)
         tag, version = d.get("t"), d.get("v")
         if version != PROTOCOL_VERSION:
             raise WireError(f"protocol version {version!r} is not supported (expected {PROTOCOL_VERSION})")
@@ -339,19 +325,17 @@ class Channel:
 
 def unpack_map(data: bytes, max_bytes: int) -> dict[str, Any]:
     """msgpack bytes -> a map, refusing extension types and anything that is not a map."""
-    return _unpack(data, max_bytes, hooks=True)
+    d = _unpack(data)
+    if _has_timestamp(d):
+        raise WireError(_TIMESTAMP_ERROR)
+    return d
 
 
-def _unpack(data: bytes, max_bytes: int, hooks: bool) -> dict[str, Any]:
-    """hooks=False leaves timestamps to the caller: a channel's typed fields refuse them by
-    type, and its free-form fields (Any, maps) look for them, so the hot path calls no Python
-    per container."""
+def _unpack(data: bytes) -> dict[str, Any]:
+    """Timestamps are left to the caller: a channel's typed fields refuse them by type and its
+    free-form fields (Any, maps) look for them, so the hot path runs no Python per container."""
     try:
-        if hooks:
-            d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook,
-                                list_hook=_no_timestamp_list, object_hook=_no_timestamp_map)
-        else:
-            d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
     except WireError:
         raise
     except Exception as e:  # msgpack raises several types for malformed input

@@ -130,7 +130,10 @@ class ZmqFrontend:
         ids: list[int] = []
         logprobs: list[Any] = []
         def stream(out: TextOut) -> None:
-            rids, frames = self._outbox.setdefault(key, ([], []))
+            entry = self._outbox.get(key)
+            if entry is None:  # (setdefault would build the empty pair for every update)
+                entry = self._outbox[key] = ([], [])
+            rids, frames = entry
             rids.append(rid)
             frames.append(msgpack.packb(output_reply(rid, out, out.text, out.new_ids, out.logprobs),
                                         use_bin_type=True))
