@@ -2,8 +2,9 @@
 
 Against float64 products for every vector path this machine can build (AVX-512 where the CPU
 has it, AVX2 and plain C everywhere: MINISGL_MP_CPU_ISA), on shapes that leave partial row
-tiles, partial units and partial vectors, and from PACKED_X_MIN_ROWS rows on its packed-x path
-(row groups split over the threads, blocks of MC rows); `Linear` picking it for every batch
+tiles, partial units and partial vectors; below PACKED_X_MIN_ROWS rows, runs of units taken by
+whichever thread is free (the one-thread product's bits on any thread count), and from there on
+its packed-x path (row groups split over the threads, blocks of MC rows); `Linear` picking it for every batch
 unless it holds oneDNN's copy, and agreeing with its other paths; and the engine, whose decode
 batches and prefill chunks run through it without that copy, against transformers,
 teacher-forced.
@@ -75,6 +76,28 @@ def test_packed_x_path_splits_rows_over_any_thread_count(isa: str, threads: int)
             y = cpu_kernels.PackedWeight(w, isa=isa).matmul(x, bias)
             ref = x.double() @ w.double().T + bias.double()
             torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5, msg=f"{isa} {threads} {rows}x{k} -> {n}")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_row_streaming_path_gives_one_threads_bits_over_any_thread_count(isa: str, threads: int) -> None:
+    """Below the packed-x path the threads take runs of units as they come, so which thread
+    computes a unit changes from call to call; each unit is computed the same way whoever takes
+    it, so the product is bit for bit the one-thread product, with more threads than units too
+    (a unit is 48 channels, or 16), and over a wide output whose runs shrink to single units."""
+    gen = torch.Generator().manual_seed(6)
+    before = torch.get_num_threads()
+    shapes = ((1, 256, 300), (2, 512, 80), (8, 300, 1000), (40, 128, 3000))  # all past the serial bound
+    cases = [(torch.randn(rows, k, generator=gen), cpu_kernels.PackedWeight(torch.randn(n, k, generator=gen), isa=isa),
+              torch.randn(n, generator=gen)) for rows, k, n in shapes]
+    try:
+        torch.set_num_threads(1)
+        alone = [w.matmul(x, b) for x, w, b in cases]
+        torch.set_num_threads(threads)  # the kernels share torch's OpenMP runtime
+        for _ in range(3):
+            for (x, w, b), y in zip(cases, alone):
+                assert torch.equal(w.matmul(x, b), y), f"{isa} {threads} threads {tuple(x.shape)} -> {w.out_features}"
     finally:
         torch.set_num_threads(before)
 

@@ -309,10 +309,30 @@ static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, cons
 }
 #endif
 
+/* Hands a thread the next run of units [start, *end): a share of what is left, at least one
+ * unit. The threads take runs as they come instead of a fixed half each: a thread that starts
+ * late (woken from sleep: the server's OpenMP threads wait passively) or is preempted by another
+ * process mid-product leaves its share to the others, where a fixed split would keep the
+ * whole team waiting for it. The runs shrink as the work runs out, so the first ones are long
+ * and contiguous (the weight streams as one run) and the last ones balance the finish. */
+static int64_t claim_units(int64_t *claimed, int64_t units, int64_t threads, int64_t *end) {
+    int64_t start = __atomic_load_n(claimed, __ATOMIC_RELAXED), take;
+    do {
+        if (start >= units) {
+            *end = units;
+            return units;
+        }
+        take = (units - start) / (2 * threads);
+        if (take < 1) take = 1;
+    } while (!__atomic_compare_exchange_n(claimed, &start, start + take, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *end = start + take;
+    return start;
+}
+
 /* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. From PACKED_X_MIN_ROWS rows (and
- * PACKED_X_THREAD_ROWS a thread) the packed-x path above; below, threads split the units into
- * contiguous runs: each streams one run of the packed weight past all the rows, as they are,
- * and knows its next unit. */
+ * PACKED_X_THREAD_ROWS a thread) the packed-x path above; below, threads take runs of units
+ * as they come (claim_units): each streams its run of the packed weight past all the rows, as
+ * they are, and knows its next unit. */
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                      const float *bias, float *y, int64_t ldy) {
 #if VL > 1
@@ -327,20 +347,24 @@ void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const fl
 #endif
     const int64_t units = (n + UW - 1) / UW;
     const int64_t groups = (m + MR - 1) / MR;
+    int64_t claimed = 0; /* units handed out so far */
 #pragma omp parallel if (m * n * k >= 65536)
     {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-        for (int64_t u = u0; u < u1; ++u) {
+        const int64_t nt = omp_get_num_threads();
+        int64_t end, u = claim_units(&claimed, units, nt, &end);
+        while (u < end) {
+            /* The run's last unit claims the next run now, so that its first unit is prefetched. */
+            int64_t un = u + 1, next_end = end;
+            if (un == end) un = claim_units(&claimed, units, nt, &next_end);
             const int64_t n0 = u * UW, width = unit_width(n, u);
             const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
             const float *panel = panels + n0 * k;
             const float *bu = bias ? bias + n0 : NULL;
             /* The thread's next unit, fetched into L2 by the row groups' passes over this one:
              * group g takes its share of the lines, spread over the blocks of K. */
-            const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 4 / 64 : 0;
+            const int64_t next_lines = un < next_end && groups > 1 ? unit_width(n, un) * k * 4 / 64 : 0;
             const int64_t share = prefetch_share(next_lines, groups);
-            const char *next = (const char *)(panels + (n0 + UW) * k);
+            const char *next = (const char *)(panels + (un < next_end ? un : u) * UW * k);
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const int first = k0 == 0, last = k0 + kc == k;
@@ -358,6 +382,8 @@ void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const fl
 #endif
                 }
             }
+            u = un;
+            end = next_end;
         }
     }
 }
