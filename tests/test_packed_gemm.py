@@ -5,9 +5,9 @@ has it, AVX2 and plain C everywhere: MINISGL_MP_CPU_ISA), on shapes that leave p
 tiles, partial units and partial vectors; below PACKED_X_MIN_ROWS rows, runs of units taken by
 whichever thread is free (the one-thread product's bits on any thread count), and from there on
 its packed-x path (row groups split over the threads, blocks of MC rows); `Linear` picking it
-for every batch unless it holds oneDNN's copy, and agreeing with its other paths; and the engine, whose decode
-batches and prefill chunks run through it without that copy, against transformers,
-teacher-forced.
+for every batch unless it holds oneDNN's copy, and agreeing with its other paths; and the
+engine, whose decode batches and prefill chunks run through it without that copy, against
+transformers, teacher-forced.
 """
 
 from __future__ import annotations
