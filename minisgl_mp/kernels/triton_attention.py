@@ -26,7 +26,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
     scale, head_dim,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # One program per (request, KV head, split of the keys): its GROUP query heads attend over
     # the split's keys. Splitting the keys keeps the GPU busy when requests are few and long.
@@ -59,14 +59,14 @@ def _decode_kernel(
         kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -106,7 +106,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_table,
     scale, head_dim,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # One program per (request, query head, block of BLOCK_M new tokens). Query i of a request
     # sits at position prefix_len + i and sees keys 0 ..= prefix_len + i, all read from the pool
@@ -141,7 +141,7 @@ def _extend_kernel(
             kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows past q_len see no key: keep their max finite so exp() stays 0, not NaN.
@@ -150,7 +150,7 @@ def _extend_kernel(
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -172,6 +172,12 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 products in full float32: Triton's default for them is TF32 (10-bit mantissas),
+    which a user who asked for float32 would not expect (PyTorch's matmuls default to full)."""
+    return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int = 8,
                      block_n: int = 32) -> None:
@@ -190,7 +196,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         q, k, v, mid, mid_lse, table, rows, seq_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
         scale, d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=_block_d(d), NUM_SPLITS=num_splits, DOT_DTYPE=_dot_dtype(q.dtype),
+        BLOCK_D=_block_d(d), NUM_SPLITS=num_splits, DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
     )
     _decode_reduce_kernel[(batch, hq)](mid, mid_lse, out, out.stride(0), out.stride(1), d,
                                        NUM_SPLITS=num_splits, BLOCK_D=_block_d(d))
@@ -210,5 +216,5 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         q, k, v, out, table, rows, q_start, q_len, prefix_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), table.stride(0),
         scale, d, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
-        DOT_DTYPE=_dot_dtype(q.dtype),
+        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
     )
