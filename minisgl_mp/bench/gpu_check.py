@@ -46,10 +46,10 @@ FULL = Sizes(4, 32, 32768, 255, 256, (100, 1024), (1, 64, 256), 256, 64)
 QUICK = Sizes(2, 4, 256, 7, 6, (8, 24), (1, 2), 32, 3)
 
 
-def engine_kwargs(device: str, dtype: torch.dtype, max_running: int) -> dict[str, Any]:
+def engine_kwargs(device: str, dtype: torch.dtype, max_running: int, attention_backend: str = "auto") -> dict[str, Any]:
     """LLM(...) settings; on the CPU a small pool (a GPU sizes its own from free memory)."""
     kwargs: dict[str, Any] = {"device": device, "dtype": str(dtype).split(".")[-1],
-                              "max_running_requests": max_running}
+                              "max_running_requests": max_running, "attention_backend": attention_backend}
     if device == "cpu":
         kwargs["kv_cache_gb"] = 0.25
     return kwargs
@@ -71,24 +71,48 @@ def run_check(name: str, fn: Callable[[], dict[str, Any]], results: dict[str, An
 
 
 def greedy_vs_hf(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes, tol: float,
-                 seed: int) -> dict[str, Any]:
-    """The engine's greedy tokens against transformers on the same weights: each chosen token
-    must be within `tol` of HF's best logit given the tokens before it (teacher forcing)."""
-    llm = LLM(model.engine_model, load_format=model.engine_load_format, **engine_kwargs(device, dtype, 16))
+                 seed: int, attention_backend: str = "auto") -> dict[str, Any]:
+    """The engine's greedy tokens judged by transformers in float32 on the same weights, teacher
+    forced: at each step, how far the chosen token's logit is below the best one (its gap).
+
+    In float32 every gap must be within `tol`. In a 16-bit dtype rounding alone moves logits by
+    whole units on random weights (their logits reach ~30, where a bfloat16 step is 0.125 and 28
+    layers add up), so the bar is transformers' own run in that dtype on the same tokens: the
+    engine's largest gap within 1.5x of its largest (or `tol`), and its mean within 1.5x of its
+    mean plus 0.05. A wrong kernel picks tokens many logits below the best and fails both."""
+    llm = LLM(model.engine_model, load_format=model.engine_load_format,
+              **engine_kwargs(device, dtype, 16, attention_backend))
     vocab = llm.scheduler.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (5, 40, 130, 300)[: sizes.greedy_prompts]]
     outs = [o["token_ids"] for o in llm.generate(prompts, _greedy(sizes.greedy_tokens))]
     del llm
-    hf = load_hf_model(model, seed, device, progress=False).to(dtype)
-    gaps = []
-    with torch.inference_mode():
-        for p, o in zip(prompts, outs):
-            logits = hf(torch.tensor([p + o[:-1]], device=device)).logits[0, len(p) - 1 :].float()
-            chosen = logits.gather(1, torch.tensor(o, device=device)[:, None])[:, 0]
-            gaps.append(float((logits.max(1).values - chosen).max()))
-    return {"ok": max(gaps) <= tol, "max_logit_gap": max(gaps), "tolerance": tol, "per_prompt_gap": gaps,
-            "prompt_lens": [len(p) for p in prompts], "tokens_each": sizes.greedy_tokens}
+    hf = load_hf_model(model, seed, device, progress=False)  # float32: the reference
+    seqs = [torch.tensor([p + o[:-1]], device=device) for p, o in zip(prompts, outs)]
+
+    def logits_of(m: Any) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [m(x).logits[0, len(p) - 1 :].float() for x, p in zip(seqs, prompts)]
+
+    ref = logits_of(hf)
+    chosen = [torch.tensor(o, device=device) for o in outs]
+    gaps = torch.cat([r.max(1).values - r.gather(1, c[:, None])[:, 0] for r, c in zip(ref, chosen)])
+    result: dict[str, Any] = {
+        "prompt_lens": [len(p) for p in prompts], "tokens_each": sizes.greedy_tokens, "dtype": str(dtype),
+        "max_logit_gap": float(gaps.max()), "mean_logit_gap": float(gaps.mean()),
+        "top1_agreement": float((gaps == 0).float().mean()),
+        "per_prompt_gap": [float(g.max()) for g in gaps.split(sizes.greedy_tokens)],
+    }
+    if dtype == torch.float32:
+        return {"ok": result["max_logit_gap"] <= tol, "tolerance": tol, **result}
+    low = logits_of(hf.to(dtype))
+    hf_gaps = torch.cat([r.max(1).values - r.gather(1, lo.argmax(1, keepdim=True))[:, 0] for r, lo in zip(ref, low)])
+    max_tol = max(tol, 1.5 * float(hf_gaps.max()))
+    mean_tol = 1.5 * float(hf_gaps.mean()) + 0.05
+    return {"ok": result["max_logit_gap"] <= max_tol and result["mean_logit_gap"] <= mean_tol,
+            "tolerance": {"max": max_tol, "mean": mean_tol}, **result,
+            "hf_same_dtype": {"max_logit_gap": float(hf_gaps.max()), "mean_logit_gap": float(hf_gaps.mean()),
+                              "top1_agreement": float((hf_gaps == 0).float().mean())}}
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -149,7 +173,8 @@ def long_context(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
-def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int,
+                   attention_backend: str = "auto") -> dict[str, Any]:
     """Greedy, seeded and penalized outputs with overlap scheduling equal those without."""
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True),
@@ -157,7 +182,8 @@ def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int
     outs = {}
     for disable in (True, False):
         llm = LLM(model.engine_model, load_format=model.engine_load_format, device=device,
-                  dtype=str(dtype).replace("torch.", ""), disable_overlap_schedule=disable, num_pages=4096)
+                  dtype=str(dtype).replace("torch.", ""), disable_overlap_schedule=disable, num_pages=4096,
+                  attention_backend=attention_backend)
         vocab = llm.scheduler.runner.model_config.vocab_size
         prompts = [torch.randint(vocab, (8 + 5 * i,), generator=torch.Generator().manual_seed(seed + i)).tolist()
                    for i in range(len(params))]
