@@ -23,7 +23,7 @@ import torch
 
 from minisgl_mp.constrained.base import GrammarBackend
 from minisgl_mp.scheduler.req import Req, TokenLogprobs
-from minisgl_mp.utils.device import host_tensor
+from minisgl_mp.utils.device import fill_at, host_tensor
 
 _INT64_MASK = (1 << 64) - 1
 
@@ -131,7 +131,8 @@ class SamplingState:
             self.seen = torch.zeros(self._rows, self.vocab_size, dtype=torch.bool, device=self.device)
         if self.seen is not None:
             self.seen[row].zero_()
-            self.seen[row, host_tensor(_in_vocab(req.token_ids, self.vocab_size), torch.int64, self.device)] = True
+            ids = host_tensor(_in_vocab(req.token_ids, self.vocab_size), torch.int64, self.device)
+            self.seen[row].index_fill_(0, ids, True)
 
     def advance(self, rows: torch.Tensor, tokens: torch.Tensor, penalized: torch.Tensor | None,
                 penalized_rows: torch.Tensor | None) -> None:
@@ -145,9 +146,9 @@ class SamplingState:
             # Rows without these penalties add 0: their frequency and presence are 0.
             first = ~self.in_output[penalized_rows, t]
             self.penalty[penalized_rows, t] += self.frequency[penalized_rows] + first * self.presence[penalized_rows]
-            self.in_output[penalized_rows, t] = True
+            fill_at(self.in_output, (penalized_rows, t), True)
         if self.seen is not None:
-            self.seen[penalized_rows, t] = True
+            fill_at(self.seen, (penalized_rows, t), True)
 
 
 def _in_vocab(ids: list[int], vocab: int) -> list[int]:
@@ -279,7 +280,8 @@ class Sampler:
             logits.index_put_((host_tensor(bias_rows, torch.int64, dev), host_tensor(bias_ids, torch.int64, dev)),
                               host_tensor(bias_vals, logits.dtype, dev), accumulate=True)
         if stop_rows:
-            logits[host_tensor(stop_rows, torch.int64, dev), host_tensor(stop_ids, torch.int64, dev)] = float("-inf")
+            fill_at(logits, (host_tensor(stop_rows, torch.int64, dev), host_tensor(stop_ids, torch.int64, dev)),
+                    float("-inf"))
         if not pen:
             return logits, None, None
         s = self.state

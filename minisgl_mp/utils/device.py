@@ -59,3 +59,10 @@ def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def fill_at(t: torch.Tensor, index: tuple[torch.Tensor, ...], value: bool | float) -> None:
+    """`t[index] = value` without waiting for the device: assigning a Python scalar through
+    indexing copies it to the device from pageable memory, which synchronises the stream (as
+    `host_tensor` explains). Here the value is made on the device by a fill kernel."""
+    t.index_put_(index, torch.full((), value, dtype=t.dtype, device=t.device))
