@@ -12,7 +12,8 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
 - offline throughput on the Qwen3-0.6B shape, 256 requests with input and output lengths
   U(100, 1024) (nano-vllm's published setting), with and without CUDA graphs;
 - decode step time at batch 1, 64 and 256, with and without CUDA graphs;
-- overlap scheduling's outputs against those without it (greedy, seeded, penalized);
+- overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
+  decode steps free of syncs other than the one for the previous step's tokens;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
 The report is rewritten after every check, so a run cut short still leaves what it measured.
 """
@@ -46,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, default=Path("bench_results/checkpoints"))
     p.add_argument("--attention-backend", default="auto",
                    help="the engines' backend (default: the engine's own choice for the device)")
-    p.add_argument("--only", help="comma-separated prefixes of the checks to run (default: all), e.g. greedy,throughput")
+    p.add_argument("--only", help="comma-separated prefixes of the checks to run (default: all), "
+                   "e.g. greedy,throughput")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_results/gpu_check.json"))
     return p.parse_args(argv)
@@ -94,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [("eager", True, True), ("cuda_graph", False, True), ("cuda_graph_overlap", False, False)] \
         if args.device.startswith("cuda") else [("eager", True, True)]
     for tag, disable_graph, disable_overlap in modes:
-        last = tag == modes[-1][0]  # the long-context check runs on the last engine only
-        names = [f"throughput_{tag}", f"decode_steps_{tag}"] + (["long_context"] if last else [])
+        last = tag == modes[-1][0]  # the long-context and sync checks run on the last engine (the defaults)
+        names = [f"throughput_{tag}", f"decode_steps_{tag}"] + (["long_context", "hidden_syncs"] if last else [])
         if not any(n.startswith(only) for n in names):
             continue
         kwargs = checks.engine_kwargs(args.device, dtype, max(sizes.decode_batches + (sizes.skew_short + 1,)),
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"engine ({tag}): attention {llm.scheduler.runner.attention_backend}, overlap {llm.scheduler.overlap}")
         if last:
             run("long_context", lambda: checks.long_context(llm, sizes, vocab, args.seed))
+            run("hidden_syncs", lambda: checks.hidden_syncs(llm, vocab, args.seed))
         run(f"throughput_{tag}", lambda: checks.throughput(llm, sizes, vocab, args.seed))
         run(f"decode_steps_{tag}", lambda: checks.decode_steps(llm, sizes, vocab, args.seed))
         del llm

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -171,6 +172,48 @@ def long_context(llm: LLM, sizes: Sizes, vocab: int, seed: int) -> dict[str, Any
     return {"ok": done, "prompt_tokens": sizes.long_prompt, "short_requests": sizes.skew_short,
             "alone_s": alone_s, "skewed_batch_s": skewed_s,
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+def hidden_syncs(llm: LLM, vocab: int, seed: int, steps: int = 10) -> dict[str, Any]:
+    """Decode steps that wait for the device only where they mean to: with overlap scheduling the
+    one wait a step is for the previous step's tokens (an event, which this does not count).
+    Anything else that synchronises (a pageable copy, `.item()`, a boolean mask) would wait for
+    the forward in flight and undo the overlap. Counted with PyTorch's sync debug mode over
+    `steps` steps of 16 decodes, for greedy, seeded top-p and penalized sampling; a sync in
+    every step fails, a one-off (a lazy initialisation) does not. On the CPU nothing is counted."""
+    cuda = llm.scheduler.runner.device.type == "cuda"
+    configs = {
+        "greedy": SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True),
+        "top_p_seeded": SamplingParams(max_tokens=steps + 16, temperature=0.8, top_p=0.9, top_k=50, seed=seed,
+                                       ignore_eos=True),
+        "penalized": SamplingParams(max_tokens=steps + 16, temperature=0.7, frequency_penalty=0.5,
+                                    presence_penalty=0.3, repetition_penalty=1.1, min_tokens=steps + 8,
+                                    logit_bias=((5, 1.0),), ignore_eos=True),
+    }
+    sched, gen, counts = llm.scheduler, torch.Generator().manual_seed(seed), {}
+    for name, params in configs.items():
+        for i in range(16):
+            sched.add_request(f"sync-{name}-{i}", torch.randint(vocab, (100,), generator=gen).tolist(), params)
+        while sched.waiting or any(not r.is_decoding for r in sched.running):
+            sched.step()
+        for _ in range(3):
+            sched.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    sched.step()
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        counts[name] = {"syncs": len(syncs), "where": sorted({f"{w.filename}:{w.lineno}" for w in syncs})}
+        while sched.has_work:
+            sched.step()
+    return {"ok": all(c["syncs"] < steps / 2 for c in counts.values()), "steps_each": steps, "counted": cuda,
+            **counts}
 
 
 def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int,
