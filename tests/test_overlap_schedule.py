@@ -10,11 +10,13 @@ steps included.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hf_reference import check_teacher_forced, load_hf_model, torch_threads
 from minisgl_mp import LLM, SamplingParams
@@ -110,6 +112,34 @@ def test_stop_tokens_and_strings_end_at_the_same_token(plain: LLM, overlapped: L
     assert [o["text"] for o in got] == [o["text"] for o in want]
     assert sum(o["finish_reason"] == "stop" for o in got) >= 5
     # The step launched after a stop token ran the request once more; its KV went back.
+    assert_no_leak(overlapped)
+
+
+@pytest.mark.timeout(120)
+def test_no_step_assigns_a_python_scalar_through_indexing(overlapped: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU `t[idx] = False` copies the scalar from pageable memory, which synchronises the
+    # stream: the host would wait for the forward that overlap scheduling left running (the page
+    # allocator did so every step until the H200 run of docs/benchmarks.md section 29). The
+    # CPU cannot see the sync, so this looks for the pattern in every step's code.
+    where: dict[str, int] = {}
+    setitem = torch.Tensor.__setitem__
+
+    def spy(self: torch.Tensor, index: Any, value: Any) -> None:
+        caller = sys._getframe(1).f_code.co_filename
+        if isinstance(value, (bool, int, float)) and "minisgl_mp" in caller:
+            key = f"{Path(caller).name}:{sys._getframe(1).f_lineno}"
+            where[key] = where.get(key, 0) + 1
+        setitem(self, index, value)
+
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.7, frequency_penalty=0.5, presence_penalty=0.3,
+                             repetition_penalty=1.1, min_tokens=6, logit_bias=((5, 1.0),), stop=["ab"])] * 2
+    monkeypatch.setattr(torch.Tensor, "__setitem__", spy)
+    outs = overlapped.generate(PROMPTS, params)
+    monkeypatch.undo()
+    assert all(o["token_ids"] for o in outs)
+    assert where == {}, f"Python scalars assigned through indexing (a sync per call on a GPU): {where}"
     assert_no_leak(overlapped)
 
 
