@@ -196,7 +196,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         q, k, v, mid, mid_lse, table, rows, seq_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
         scale, d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=_block_d(d), NUM_SPLITS=num_splits, DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_D=_block_d(d), NUM_SPLITS=num_splits,
+        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
     )
     _decode_reduce_kernel[(batch, hq)](mid, mid_lse, out, out.stride(0), out.stride(1), d,
                                        NUM_SPLITS=num_splits, BLOCK_D=_block_d(d))
