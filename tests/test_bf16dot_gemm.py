@@ -58,6 +58,29 @@ def test_kernel_matches_float64_products_of_its_bfloat16_operands(k: int, n: int
 
 
 @needs_dot
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_threads_take_units_as_they_come_and_give_one_threads_bits(threads: int) -> None:
+    """The threads take runs of 48-channel units as they come (claim_units.h), so which thread
+    computes a unit changes from call to call; each unit is computed the same way whoever takes
+    it, so the product is bit for bit the one-thread product, with more threads than units too,
+    and over a wide output whose runs shrink to single units."""
+    gen = torch.Generator().manual_seed(7)
+    before = torch.get_num_threads()
+    shapes = ((1, 256, 300), (2, 512, 80), (8, 300, 1000), (40, 128, 3000), (129, 96, 112))
+    cases = [(torch.randn(rows, k, generator=gen), cpu_kernels.Bf16DotWeight(torch.randn(n, k, generator=gen)
+              .to(torch.bfloat16), torch.randn(n, generator=gen))) for rows, k, n in shapes]
+    try:
+        torch.set_num_threads(1)
+        alone = [w.matmul(x) for x, w in cases]
+        torch.set_num_threads(threads)  # the kernels share torch's OpenMP runtime
+        for _ in range(3):
+            for (x, w), y in zip(cases, alone):
+                assert torch.equal(w.matmul(x), y), f"{threads} threads {tuple(x.shape)} -> {y.shape[1]}"
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_dot
 def test_kernel_takes_strided_rows_and_rounds_x_to_nearest_even() -> None:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=gen).to(torch.bfloat16)

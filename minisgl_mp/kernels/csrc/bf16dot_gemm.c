@@ -25,6 +25,7 @@
  */
 #include <stdint.h>
 
+#include "claim_units.h"
 #include "panel_prefetch.h"
 #include <stdlib.h>
 #include <string.h>
@@ -160,9 +161,9 @@ static void round_rows(const float *x, int64_t ldx, int64_t k, uint16_t *xb, int
     }
 }
 
-/* x rows `ldx` floats apart, y rows `ldy` apart; bias [N] or NULL. Threads split the units into
- * contiguous runs, each streaming its run of the packed weight. Returns 0, or -1 (odd K, or
- * no memory for x's bfloat16 copy). */
+/* x rows `ldx` floats apart, y rows `ldy` apart; bias [N] or NULL. Threads take runs of units
+ * as they come (claim_units.h), each streaming its run of the packed weight and knowing its
+ * next unit. Returns 0, or -1 (odd K, or no memory for x's bfloat16 copy). */
 int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                       const float *bias, float *y, int64_t ldy) {
     if (k % 2 || m <= 0) return -1;
@@ -170,6 +171,7 @@ int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const u
     if (!xb) return -1;
     const int64_t units = (n + UW - 1) / UW;
     const int64_t groups = (m + MR - 1) / MR;
+    int64_t claimed = 0; /* units handed out so far */
 #pragma omp parallel if (m * n * k >= 65536)
     {
 #ifdef _OPENMP
@@ -179,17 +181,20 @@ int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const u
 #endif
         round_rows(x, ldx, k, xb, m * t / nt, m * (t + 1) / nt);
 #pragma omp barrier
-        const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-        for (int64_t u = u0; u < u1; ++u) {
+        int64_t end, u = claim_units(&claimed, units, nt, &end);
+        while (u < end) {
+            /* The run's last unit claims the next run now, so that its first unit is prefetched. */
+            int64_t un = u + 1, next_end = end;
+            if (un == end) un = claim_units(&claimed, units, nt, &next_end);
             const int64_t n0 = u * UW, width = unit_width(n, u);
             const int ncols = (int)(n - n0 < UW ? n - n0 : UW);
             const uint16_t *panel = packed + n0 * k;
             const float *bu = bias ? bias + n0 : NULL;
             /* The thread's next unit, fetched into L2 by the row groups' passes over this one:
              * group g takes its share of the lines, spread over the blocks of K. */
-            const int64_t next_lines = u + 1 < u1 && groups > 1 ? unit_width(n, u + 1) * k * 2 / 64 : 0;
+            const int64_t next_lines = un < next_end && groups > 1 ? unit_width(n, un) * k * 2 / 64 : 0;
             const int64_t share = prefetch_share(next_lines, groups);
-            const char *next = (const char *)(packed + (n0 + UW) * k);
+            const char *next = (const char *)(packed + (un < next_end ? un : u) * UW * k);
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const int first = k0 == 0, last = k0 + kc == k;
@@ -202,6 +207,8 @@ int bf16dot_gemm_bf16(const float *x, int64_t m, int64_t k, int64_t ldx, const u
                                                      next + start * 64, lines);
                 }
             }
+            u = un;
+            end = next_end;
         }
     }
     free(xb);

@@ -30,6 +30,7 @@
  */
 #include <stdint.h>
 
+#include "claim_units.h"
 #include "panel_prefetch.h"
 #include <stdlib.h>
 #include <string.h>
@@ -309,29 +310,9 @@ static int packed_x_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, cons
 }
 #endif
 
-/* Hands a thread the next run of units [start, *end): a share of what is left, at least one
- * unit. The threads take runs as they come instead of a fixed half each: a thread that starts
- * late (woken from sleep: the server's OpenMP threads wait passively) or is preempted by another
- * process mid-product leaves its share to the others, where a fixed split would keep the
- * whole team waiting for it. The runs shrink as the work runs out, so the first ones are long
- * and contiguous (the weight streams as one run) and the last ones balance the finish. */
-static int64_t claim_units(int64_t *claimed, int64_t units, int64_t threads, int64_t *end) {
-    int64_t start = __atomic_load_n(claimed, __ATOMIC_RELAXED), take;
-    do {
-        if (start >= units) {
-            *end = units;
-            return units;
-        }
-        take = (units - start) / (2 * threads);
-        if (take < 1) take = 1;
-    } while (!__atomic_compare_exchange_n(claimed, &start, start + take, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-    *end = start + take;
-    return start;
-}
-
 /* x rows `ldx` apart, y rows `ldy` apart; bias [N] or NULL. From PACKED_X_MIN_ROWS rows (and
  * PACKED_X_THREAD_ROWS a thread) the packed-x path above; below, threads take runs of units
- * as they come (claim_units): each streams its run of the packed weight past all the rows, as
+ * as they come (claim_units.h): each streams its run of the packed weight past all the rows, as
  * they are, and knows its next unit. */
 void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panels, int64_t n,
                      const float *bias, float *y, int64_t ldy) {
