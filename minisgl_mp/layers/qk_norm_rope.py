@@ -1,8 +1,9 @@
 """q and k of a fused qkv projection, each head RMS-normed then rotated (Qwen3's attention input).
 
 One C pass over the projection on the CPU when the norms run their C kernels (float32; see
-`RMSNorm.enable_cpu_kernels`), the PyTorch ops otherwise: the model calls this and stays the
-same on every device.
+`RMSNorm.enable_cpu_kernels`), one Triton kernel on CUDA when they run theirs
+(`RMSNorm.enable_triton_kernels`), the PyTorch ops otherwise: the model calls this and stays
+the same on every device.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm, k_
             and head_dim % 2 == 0):
         q, k = cpu_kernels.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm.weight, k_norm.weight,
                                         q_norm.eps, rope.cos_sin, positions)
+        return q, k, v
+    if q_norm.triton_kernels and k_norm.triton_kernels and qkv.stride(-1) == 1 and head_dim % 2 == 0:
+        from minisgl_mp.kernels import triton_ops
+
+        q, k = triton_ops.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm.weight, k_norm.weight,
+                                       q_norm.eps, rope.cos_sin, positions)
         return q, k, v
     q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
     q = q_norm(q.reshape(t, num_heads, head_dim))
