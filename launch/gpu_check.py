@@ -12,6 +12,8 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
 - offline throughput on the Qwen3-0.6B shape, 256 requests with input and output lengths
   U(100, 1024) (nano-vllm's published setting), with and without CUDA graphs;
 - decode step time at batch 1, 64 and 256, with and without CUDA graphs;
+- the same greedy, throughput and decode checks with `--cuda-fused-ops` (Triton kernels for
+  the layers' element-wise steps), whose default waits on these figures;
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
   decode steps free of syncs other than the one for the previous step's tokens;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = checks.QUICK if args.quick else checks.FULL
     tol = 1e-3 if dtype == torch.float32 else 0.5  # logit gap allowed for a greedy choice (see greedy_vs_hf)
     only = tuple(args.only.split(",")) if args.only else ("",)
+    cuda = args.device.startswith("cuda")
     started = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -88,15 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         run("greedy_vs_hf_large", lambda: checks.greedy_vs_hf(large, args.device, dtype, sizes, tol, args.seed,
                                                                     args.attention_backend))
+        if cuda:
+            run("greedy_vs_hf_large_fused", lambda: checks.greedy_vs_hf(
+                large, args.device, dtype, sizes, tol, args.seed, args.attention_backend, cuda_fused_ops=True))
     run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed, args.quick))
 
     run("overlap_agrees", lambda: checks.overlap_agrees(small, args.device, dtype, args.seed,
                                                                    args.attention_backend))
-    # (tag, disable_cuda_graph, disable_overlap_schedule): no graphs and no overlap on the CPU.
-    modes = [("eager", True, True), ("cuda_graph", False, True), ("cuda_graph_overlap", False, False)] \
-        if args.device.startswith("cuda") else [("eager", True, True)]
-    for tag, disable_graph, disable_overlap in modes:
-        last = tag == modes[-1][0]  # the long-context and sync checks run on the last engine (the defaults)
+    # (tag, disable_cuda_graph, disable_overlap_schedule, cuda_fused_ops): no graphs, overlap or
+    # Triton element-wise kernels on the CPU.
+    modes = [("eager", True, True, False), ("cuda_graph", False, True, False),
+             ("cuda_graph_overlap", False, False, False), ("cuda_graph_overlap_fused", False, False, True)] \
+        if cuda else [("eager", True, True, False)]
+    defaults = "cuda_graph_overlap" if cuda else "eager"
+    for tag, disable_graph, disable_overlap, fused in modes:
+        last = tag == defaults  # the long-context and sync checks run on the engine with the defaults
         names = [f"throughput_{tag}", f"decode_steps_{tag}"] + (["long_context", "hidden_syncs"] if last else [])
         if not any(n.startswith(only) for n in names):
             continue
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                                       args.attention_backend)
         context = max(sizes.long_prompt + 64, sizes.decode_context + 64, 2 * sizes.throughput_lens[1] + 8)
         llm = LLM(large.engine_model, load_format=large.engine_load_format, disable_cuda_graph=disable_graph,
-                  disable_overlap_schedule=disable_overlap, context_length=context, **kwargs)
+                  disable_overlap_schedule=disable_overlap, cuda_fused_ops=fused, context_length=context, **kwargs)
         log(f"engine ({tag}): attention {llm.scheduler.runner.attention_backend}, overlap {llm.scheduler.overlap}")
         if last:
             run("long_context", lambda: checks.long_context(llm, sizes, vocab, args.seed))

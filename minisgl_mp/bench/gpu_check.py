@@ -72,7 +72,7 @@ def run_check(name: str, fn: Callable[[], dict[str, Any]], results: dict[str, An
 
 
 def greedy_vs_hf(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes, tol: float,
-                 seed: int, attention_backend: str = "auto") -> dict[str, Any]:
+                 seed: int, attention_backend: str = "auto", cuda_fused_ops: bool = False) -> dict[str, Any]:
     """The engine's greedy tokens judged by transformers in float32 on the same weights, teacher
     forced: at each step, how far the chosen token's logit is below the best one (its gap).
 
@@ -81,7 +81,7 @@ def greedy_vs_hf(model: BenchModel, device: str, dtype: torch.dtype, sizes: Size
     layers add up), so the bar is transformers' own run in that dtype on the same tokens: the
     engine's largest gap within 1.5x of its largest (or `tol`), and its mean within 1.5x of its
     mean plus 0.05. A wrong kernel picks tokens many logits below the best and fails both."""
-    llm = LLM(model.engine_model, load_format=model.engine_load_format,
+    llm = LLM(model.engine_model, load_format=model.engine_load_format, cuda_fused_ops=cuda_fused_ops,
               **engine_kwargs(device, dtype, 16, attention_backend))
     vocab = llm.scheduler.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
