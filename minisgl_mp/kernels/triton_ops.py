@@ -53,10 +53,12 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     rows = x.view(-1, dim)
     res = residual.view(-1, dim) if residual is not None else rows
     out = torch.empty_like(rows)
+    block = triton.next_power_of_2(dim)
     if rows.shape[0]:
+        # A whole row in one program: more warps for wider rows (8 values a thread at most up to 4k).
         _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, rows.stride(0), res.stride(0), out.stride(0),
-                                               dim, eps, HAS_RESIDUAL=residual is not None,
-                                               BLOCK=triton.next_power_of_2(dim))
+                                               dim, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                               num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape), x
 
 
