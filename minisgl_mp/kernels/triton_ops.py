@@ -16,6 +16,8 @@ outputs match them to a rounding step. Tested against those ops under Triton's C
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -156,6 +158,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def available(device: torch.device) -> bool:
     """On CUDA (the kernels also run under TRITON_INTERPRET=1 on CPU tensors, for tests)."""
-    import os
-
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
