@@ -12,6 +12,8 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
 - offline throughput on the Qwen3-0.6B shape, 256 requests with input and output lengths
   U(100, 1024) (nano-vllm's published setting), with and without CUDA graphs;
 - decode step time at batch 1, 64 and 256, with and without CUDA graphs;
+- the kernels a batch-1 decode step launches and their device time, with and without
+  `--cuda-fused-ops` (torch.profiler on the eager engine);
 - the same greedy, throughput and decode checks with `--cuda-fused-ops` (Triton kernels for
   the layers' element-wise steps), whose default waits on these figures;
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                 large, args.device, dtype, sizes, tol, args.seed, args.attention_backend, cuda_fused_ops=True))
     run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed, args.quick))
 
+    run("kernels_per_step", lambda: checks.kernels_per_step(large, args.device, dtype, vocab, args.seed,
+                                                            attention_backend=args.attention_backend))
     run("overlap_agrees", lambda: checks.overlap_agrees(small, args.device, dtype, args.seed,
                                                                    args.attention_backend))
     # (tag, disable_cuda_graph, disable_overlap_schedule, cuda_fused_ops): no graphs, overlap or

@@ -216,6 +216,53 @@ def hidden_syncs(llm: LLM, vocab: int, seed: int, steps: int = 10) -> dict[str, 
             **counts}
 
 
+def kernels_per_step(model: BenchModel, device: str, dtype: torch.dtype, vocab: int, seed: int, steps: int = 5,
+                     attention_backend: str = "auto") -> dict[str, Any]:
+    """What one batch-1 decode step launches on the device, with and without `--cuda-fused-ops`:
+    kernels (and copies) a step and their summed device time, counted by torch.profiler on the
+    eager engine (no CUDA graph, no overlap) so that each launch shows. The launch count is what
+    a step costs the host when it is not captured; the device time is what the fused kernels
+    save inside a captured graph. On the CPU the fused kernels do not exist: only the plain
+    engine's operators are counted (a smoke run of the code)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    rows: dict[str, Any] = {}
+    for fused in ((False, True) if cuda else (False,)):
+        llm = LLM(model.engine_model, load_format=model.engine_load_format, cuda_fused_ops=fused,
+                  disable_cuda_graph=True, disable_overlap_schedule=True,
+                  **engine_kwargs(device, dtype, 4, attention_backend))
+        sched, gen = llm.scheduler, torch.Generator().manual_seed(seed)
+        sched.add_request("kernels", torch.randint(vocab, (100,), generator=gen).tolist(),
+                          SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+        while sched.waiting or any(not r.is_decoding for r in sched.running):
+            sched.step()
+        sched.step()
+        with profile(activities=[activity]) as prof:
+            for _ in range(steps):
+                sched.step()
+            if cuda:
+                torch.cuda.synchronize()
+        on_device = [e for e in prof.events() if e.device_type.name == ("CUDA" if cuda else "CPU")
+                     and (not cuda or not e.name.startswith("cuda")) and (cuda or e.name.startswith("aten::"))]
+        by_name: dict[str, int] = {}
+        for e in on_device:
+            by_name[e.name] = by_name.get(e.name, 0) + 1
+        device_us = sum(e.time_range.elapsed_us() for e in on_device) if cuda else 0.0
+        rows["fused" if fused else "plain"] = {
+            "launches_per_step": len(on_device) / steps, "device_ms_per_step": device_us / steps / 1e3,
+            "top": sorted(((n, c / steps) for n, c in by_name.items()), key=lambda t: -t[1])[:12]}
+        while sched.has_work:
+            sched.step()
+        del llm, sched
+        gc.collect()
+    ok = all(r["launches_per_step"] > 0 for r in rows.values())
+    if "fused" in rows:  # the fused kernels replace launches; more would mean they are not taken
+        ok = ok and rows["fused"]["launches_per_step"] < rows["plain"]["launches_per_step"]
+    return {"ok": ok, "steps": steps, "counted": "device kernels" if cuda else "aten operators", **rows}
+
+
 def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int,
                    attention_backend: str = "auto") -> dict[str, Any]:
     """Greedy, seeded and penalized outputs with overlap scheduling equal those without."""
