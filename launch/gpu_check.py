@@ -14,8 +14,8 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
 - decode step time at batch 1, 64 and 256, with and without CUDA graphs;
 - the kernels a batch-1 decode step launches and their device time, with and without
   `--cuda-fused-ops` (torch.profiler on the eager engine);
-- the same greedy, throughput and decode checks with `--cuda-fused-ops` (Triton kernels for
-  the layers' element-wise steps), whose default waits on these figures;
+- the greedy, throughput and decode checks also without `--cuda-fused-ops` (the Triton kernels
+  for the layers' element-wise steps, on by default);
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
   decode steps free of syncs other than the one for the previous step's tokens;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         run("greedy_vs_hf_large", lambda: checks.greedy_vs_hf(large, args.device, dtype, sizes, tol, args.seed,
                                                                     args.attention_backend))
-        if cuda:
-            run("greedy_vs_hf_large_fused", lambda: checks.greedy_vs_hf(
-                large, args.device, dtype, sizes, tol, args.seed, args.attention_backend, cuda_fused_ops=True))
+        if cuda:  # the element-wise steps as PyTorch's ops, without the Triton kernels
+            run("greedy_vs_hf_large_unfused", lambda: checks.greedy_vs_hf(
+                large, args.device, dtype, sizes, tol, args.seed, args.attention_backend, cuda_fused_ops=False))
     run("backends_vs_sdpa", lambda: checks.backends_vs_sdpa(torch.device(args.device), dtype, args.seed, args.quick))
 
     run("kernels_per_step", lambda: checks.kernels_per_step(large, args.device, dtype, vocab, args.seed,
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [("eager", True, True, False), ("cuda_graph", False, True, False),
              ("cuda_graph_overlap", False, False, False), ("cuda_graph_overlap_fused", False, False, True)] \
         if cuda else [("eager", True, True, False)]
-    defaults = "cuda_graph_overlap" if cuda else "eager"
+    defaults = "cuda_graph_overlap_fused" if cuda else "eager"
     for tag, disable_graph, disable_overlap, fused in modes:
         last = tag == defaults  # the long-context and sync checks run on the engine with the defaults
         names = [f"throughput_{tag}", f"decode_steps_{tag}"] + (["long_context", "hidden_syncs"] if last else [])

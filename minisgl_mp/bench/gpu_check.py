@@ -72,7 +72,7 @@ def run_check(name: str, fn: Callable[[], dict[str, Any]], results: dict[str, An
 
 
 def greedy_vs_hf(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes, tol: float,
-                 seed: int, attention_backend: str = "auto", cuda_fused_ops: bool = False) -> dict[str, Any]:
+                 seed: int, attention_backend: str = "auto", cuda_fused_ops: bool = True) -> dict[str, Any]:
     """The engine's greedy tokens judged by transformers in float32 on the same weights, teacher
     forced: at each step, how far the chosen token's logit is below the best one (its gap).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -65,9 +66,12 @@ class ModelRunner:
             fused = sum(m.enable_cpu_kernels() for m in self.model.modules() if hasattr(m, "enable_cpu_kernels"))
             logger.info("C kernels for %d norm / rotary modules", fused)
         if device.type == "cuda" and config.cuda_fused_ops:
-            fused = sum(m.enable_triton_kernels() for m in self.model.modules()
-                        if hasattr(m, "enable_triton_kernels"))
-            logger.info("Triton kernels for %d norm / MLP modules", fused)
+            if importlib.util.find_spec("triton") is None:
+                logger.warning("triton is not installed: the layers' element-wise steps run as PyTorch ops")
+            else:
+                fused = sum(m.enable_triton_kernels() for m in self.model.modules()
+                            if hasattr(m, "enable_triton_kernels"))
+                logger.info("Triton kernels for %d norm / MLP modules", fused)
 
         mc = shard.rank_config(model_config) if shard is not None else model_config  # this rank's heads
         self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, device, None)

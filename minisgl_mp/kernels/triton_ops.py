@@ -11,7 +11,7 @@ pow, mean, add, rsqrt, two muls and two casts). Here each step is one kernel.
 Each kernel rounds where the PyTorch ops it replaces round (to the model's dtype after the
 residual add, after the normalisation and after silu), computing in float32 in between, so the
 outputs match them to a rounding step. Tested against those ops under Triton's CPU interpreter
-(TRITON_INTERPRET=1); `--cuda-fused-ops` turns them on.
+(TRITON_INTERPRET=1); `--cuda-fused-ops` (the default on CUDA) turns them on.
 """
 
 from __future__ import annotations
