@@ -221,6 +221,10 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
     del llm
     gc.collect()
     release_freed_memory()
+    import torch
+
+    if torch.cuda.is_available():  # the server sizes its KV pool in the memory left on the device
+        torch.cuda.empty_cache()
     return {**result, "max_running_requests": engine.max_running_requests, "cpu_cores_busy": cores,
             "kv_pages": kv_pages}, workload
 
