@@ -100,7 +100,12 @@ def load_tokenizer_for(args: argparse.Namespace) -> Any | None:
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
     if args.launch:
-        return load_tokenizer(resolve_model(args.launch, "auto", allow_download=False).tokenizer_dir)
+        # As the launched server resolves it: a named shape with `--load-format dummy` has no
+        # checkpoint, only its config and tokenizer.
+        from minisgl_mp.launch import parse_args
+
+        engine, _ = parse_args(["--model", args.launch, *shlex.split(args.launch_args)])
+        return load_tokenizer(resolve_model(args.launch, engine.load_format, allow_download=False).tokenizer_dir)
     return None
 
 
