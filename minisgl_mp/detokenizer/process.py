@@ -97,4 +97,4 @@ def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
 
 
 def run_detokenizer_process(config: ServerConfig, conn: Connection) -> None:
-    child_main("detokenizer", config.server.log_level, conn, lambda s, f: _body(config, s, f))
+    child_main("detokenizer", config.server.log_level, conn, lambda s, f: _body(config, s, f), drain_on_sigterm=False)

@@ -93,7 +93,7 @@ class SchedulerLoop:
     def _receive(self) -> list[object]:
         if self.inbox is None:  # a tensor-parallel rank other than 0
             return self.sync.share(None)
-        # Idle: block (briefly, to notice SIGTERM). Busy: take what has arrived, never wait.
+        # Idle: block (briefly, to notice a stop signal). Busy: take what has arrived, never wait.
         first = None if self.scheduler.has_work else self.inbox.get(timeout_ms=IDLE_POLL_MS)
         msgs = [] if first is None else [first]
         while (msg := self.inbox.get_nowait()) is not None:
@@ -231,7 +231,8 @@ def scheduler_process_name(config: ServerConfig, rank: int) -> str:
 
 
 def run_scheduler_process(config: ServerConfig, conn: Connection, rank: int = 0) -> None:
-    child_main(scheduler_process_name(config, rank), config.server.log_level, conn, lambda s, f: _body(config, s, f, rank))
+    child_main(scheduler_process_name(config, rank), config.server.log_level, conn, lambda s, f: _body(config, s, f, rank),
+               drain_on_sigterm=False)
     if config.engine.tp_size > 1:
         # Everything is closed and the launcher told; the interpreter's own teardown after
         # torch.distributed was seen to hang in native code (no Python frame left), so leave

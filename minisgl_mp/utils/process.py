@@ -1,6 +1,6 @@
-"""What every child process does the same way: die with its parent, stop on SIGTERM (Ctrl+C is
-the launcher's to handle), report ready or a startup error to the launcher over a pipe (JSON,
-never pickle), and log with its name."""
+"""What every child process does the same way: die with its parent, stop when the launcher
+says so (Ctrl+C and SIGTERM are the launcher's to handle), report ready or a startup error to
+the launcher over a pipe (JSON, never pickle), and log with its name."""
 
 from __future__ import annotations
 
@@ -29,12 +29,19 @@ STOP_NOW_SIGNAL = signal.SIGUSR1
 
 class StopFlag:
     """Set by any of the stop signals above; `mode` says which: "drain", "abort" or "now".
-    Loops poll it between short blocking waits."""
+    Loops poll it between short blocking waits.
 
-    def __init__(self) -> None:
+    `drain_on_sigterm` False (the scheduler and detokenizer): SIGTERM is left to the launcher.
+    A SIGTERM sent to the whole process group (`kill %1` in a shell, `timeout`, a service
+    manager's default) reaches every process at once; the tokenizer process drains, and it
+    needs the scheduler and detokenizer to go on serving its running requests until it is
+    done, after which the launcher stops them with STOP_NOW_SIGNAL. SIGINT is ignored for the
+    same reason (Ctrl+C in a terminal signals the group)."""
+
+    def __init__(self, drain_on_sigterm: bool = True) -> None:
         self._event = threading.Event()
         self.mode = "drain"
-        signal.signal(signal.SIGTERM, lambda *_: self._stop("drain"))
+        signal.signal(signal.SIGTERM, (lambda *_: self._stop("drain")) if drain_on_sigterm else signal.SIG_IGN)
         signal.signal(ABORT_NOW_SIGNAL, lambda *_: self._stop("abort"))
         signal.signal(STOP_NOW_SIGNAL, lambda *_: self._stop("now"))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -104,12 +111,13 @@ def setup_logging(level: str, name: str) -> None:
 
 
 def child_main(name: str, log_level: str, conn: Connection,
-               body: Callable[[StatusPipe, StopFlag], None]) -> None:
-    """Run a process body; any exception becomes an 'error' event for the launcher and exit 1."""
+               body: Callable[[StatusPipe, StopFlag], None], drain_on_sigterm: bool = True) -> None:
+    """Run a process body; any exception becomes an 'error' event for the launcher and exit 1.
+    `drain_on_sigterm`: see StopFlag."""
     die_with_parent()
     setup_logging(log_level, name)
     status = StatusPipe(conn, name)
-    stop = StopFlag()
+    stop = StopFlag(drain_on_sigterm)
     try:
         body(status, stop)
     except BaseException as e:  # noqa: BLE001 - report whatever ended the process, then exit
