@@ -16,6 +16,9 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
   `--cuda-fused-ops` (torch.profiler on the eager engine);
 - the greedy, throughput and decode checks also without `--cuda-fused-ops` (the Triton kernels
   for the layers' element-wise steps, on by default);
+- the server users start (launcher, tokenizer, scheduler and detokenizer processes) on the
+  device: greedy outputs through the ZMQ client and the OpenAI API equal the offline engine's,
+  and out tok/s with 64 streams on each frontend beside the offline engine's;
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
   decode steps free of syncs other than the one for the previous step's tokens;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run("kernels_per_step", lambda: checks.kernels_per_step(large, args.device, dtype, vocab, args.seed,
                                                             attention_backend=args.attention_backend))
+    run("served", lambda: checks.served(large, args.device, dtype, sizes, vocab, args.seed, args.attention_backend,
+                                        args.out.with_name(args.out.stem + "_server.log")))
     run("overlap_agrees", lambda: checks.overlap_agrees(small, args.device, dtype, args.seed,
                                                                    args.attention_backend))
     # (tag, disable_cuda_graph, disable_overlap_schedule, cuda_fused_ops): no graphs, overlap or

@@ -7,13 +7,17 @@ quick one that runs on the CPU in seconds, so CI exercises every line that is no
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import math
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 import torch
 
 from minisgl_mp.attention import registry
@@ -261,6 +265,72 @@ def kernels_per_step(model: BenchModel, device: str, dtype: torch.dtype, vocab: 
     if "fused" in rows:  # the fused kernels replace launches; more would mean they are not taken
         ok = ok and rows["fused"]["launches_per_step"] < rows["plain"]["launches_per_step"]
     return {"ok": ok, "steps": steps, "counted": "device kernels" if cuda else "aten operators", **rows}
+
+
+def served(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes, vocab: int, seed: int,
+           attention_backend: str, log_path: Path, streams: int = 64) -> dict[str, Any]:
+    """The server users start (`python -m minisgl_mp.launch`: the tokenizer, scheduler and
+    detokenizer processes) on this device. Greedy outputs of a few prompts, each sent alone,
+    must equal the offline engine's for the same prompt alone (the same kernels on the same
+    batch, so the same tokens in any dtype), through the ZMQ client (token ids) and the OpenAI
+    API (text). Then out tok/s with `streams` streaming clients on each frontend, beside the
+    offline engine on the same requests at most `streams` at a time; and nothing in the
+    server's log says a process died or a request raised."""
+    from minisgl_mp.bench.runs import EngineRunner
+    from minisgl_mp.bench.server_proc import launch_server
+    from minisgl_mp.bench.serving_backends import OpenAIBackend, ZmqBackend
+    from minisgl_mp.bench.serving_run import run_requests, summarize_run
+    from minisgl_mp.client import Client
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(vocab, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 200, (sizes.greedy_prompts,), generator=gen)]
+    lens = LengthRange(*sizes.throughput_lens)
+    workload = random_workload(sizes.throughput_requests // 2, lens, lens, vocab, seed)
+    kwargs = engine_kwargs(device, dtype, streams, attention_backend)
+    llm = LLM(model.engine_model, load_format=model.engine_load_format, **kwargs)
+    ref = [llm.generate(p, _greedy(sizes.greedy_tokens))[0] for p in prompts]
+    runner = EngineRunner(llm, progress=False)
+    runner.warmup(vocab)
+    offline = run_workload("offline engine", workload, runner.generate).to_dict()
+    pages = llm.scheduler.runner.num_pages
+    del llm, runner
+    gc.collect()
+    if torch.cuda.is_available():  # the server sizes its pool in what this process leaves
+        torch.cuda.empty_cache()
+
+    flags = ["--load-format", model.engine_load_format, "--device", device, "--dtype", kwargs["dtype"],
+             "--attention-backend", attention_backend, "--num-pages", str(pages),
+             "--max-running-requests", str(streams)]
+    params = {"max_tokens": sizes.greedy_tokens, "temperature": 0.0, "ignore_eos": True}
+    out: dict[str, Any] = {"prompts": len(prompts), "tokens_each": sizes.greedy_tokens, "streams": streams,
+                           "requests": workload.num_requests, "offline_output_tps": offline["output_tps"]}
+    with launch_server(model.engine_model, flags, log_path) as server:
+        with Client(server.zmq, timeout=300) as c:
+            zmq_same = [c.generate(input_ids=p, sampling_params=params)["token_ids"] == r["token_ids"]
+                        for p, r in zip(prompts, ref)]
+        http_same = []
+        for p, r in zip(prompts, ref):
+            reply = httpx.post(f"{server.http}/v1/completions", json={"prompt": p, **params}, timeout=300)
+            reply.raise_for_status()
+            http_same.append(reply.json()["choices"][0]["text"] == r["text"])
+        out["zmq_same_tokens"], out["openai_same_text"] = sum(zmq_same), sum(http_same)
+        for backend in (ZmqBackend(server.zmq), OpenAIBackend(f"{server.http}/v1", None)):
+            async def go(b: Any = backend) -> tuple[list[Any], float]:
+                try:
+                    return await run_requests(b, workload.single_turn_requests(), math.inf, streams, seed, 600.0,
+                                              progress=False)
+                finally:
+                    await b.close()
+
+            metrics = summarize_run(*asyncio.run(go()))
+            out[backend.name] = {k: metrics[k] for k in ("completed", "failed", "output_tps", "ttft_ms", "itl_ms")}
+            out[backend.name]["server_over_offline"] = metrics["output_tps"] / offline["output_tps"]
+    log = log_path.read_text(encoding="utf-8", errors="replace")
+    out["log_clean"] = "Traceback" not in log and "died" not in log
+    out["ok"] = (out["zmq_same_tokens"] == out["openai_same_text"] == len(prompts) and out["log_clean"]
+                 and all(out[b]["completed"] == workload.num_requests for b in ("zmq", "openai")))
+    return out
 
 
 def overlap_agrees(model: BenchModel, device: str, dtype: torch.dtype, seed: int,
