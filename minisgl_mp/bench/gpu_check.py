@@ -183,7 +183,9 @@ def hidden_syncs(llm: LLM, vocab: int, seed: int, steps: int = 10) -> dict[str, 
     one wait a step is for the previous step's tokens (an event, which this does not count).
     Anything else that synchronises (a pageable copy, `.item()`, a boolean mask) would wait for
     the forward in flight and undo the overlap. Counted with PyTorch's sync debug mode over
-    `steps` steps of 16 decodes, for greedy, seeded top-p and penalized sampling; a sync in
+    `steps` steps of 16 decodes, for greedy, seeded top-p and penalized sampling, and greedy with
+    a new 64-token prompt admitted every step (the steps a server runs while requests arrive:
+    admission, page-table writes and a prompt chunk beside the decodes, eagerly); a sync in
     every step fails, a one-off (a lazy initialisation) does not. On the CPU nothing is counted."""
     cuda = llm.scheduler.runner.device.type == "cuda"
     configs = {
@@ -193,7 +195,9 @@ def hidden_syncs(llm: LLM, vocab: int, seed: int, steps: int = 10) -> dict[str, 
         "penalized": SamplingParams(max_tokens=steps + 16, temperature=0.7, frequency_penalty=0.5,
                                     presence_penalty=0.3, repetition_penalty=1.1, min_tokens=steps + 8,
                                     logit_bias=((5, 1.0),), ignore_eos=True),
+        "prompt_each_step": SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True),
     }
+    arrival = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     sched, gen, counts = llm.scheduler, torch.Generator().manual_seed(seed), {}
     for name, params in configs.items():
         for i in range(16):
@@ -202,18 +206,31 @@ def hidden_syncs(llm: LLM, vocab: int, seed: int, steps: int = 10) -> dict[str, 
             sched.step()
         for _ in range(3):
             sched.step()
-        with warnings.catch_warnings(record=True) as caught:
+        where: list[str] = []
+
+        def seen(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+            # Where in the engine: the innermost frame of ours, not torch's own.
+            if "synchroniz" in str(message):
+                ours = [f for f in traceback.extract_stack()[:-1]
+                        if "minisgl_mp" in f.filename and not f.filename.endswith("bench/gpu_check.py")]
+                where.append(f"{ours[-1].filename.split('minisgl_mp/')[-1]}:{ours[-1].lineno}" if ours
+                             else f"{filename}:{lineno}")
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = seen
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                for _ in range(steps):
+                for k in range(steps):
+                    if name == "prompt_each_step":
+                        sched.add_request(f"sync-arrival-{k}", torch.randint(vocab, (64,), generator=gen).tolist(),
+                                          arrival)
                     sched.step()
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        counts[name] = {"syncs": len(syncs), "where": sorted({f"{w.filename}:{w.lineno}" for w in syncs})}
+        counts[name] = {"syncs": len(where), "where": sorted(set(where))}
         while sched.has_work:
             sched.step()
     return {"ok": all(c["syncs"] < steps / 2 for c in counts.values()), "steps_each": steps, "counted": cuda,
