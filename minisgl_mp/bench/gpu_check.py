@@ -265,8 +265,12 @@ def kernels_per_step(model: BenchModel, device: str, dtype: torch.dtype, vocab: 
                 sched.step()
             if cuda:
                 torch.cuda.synchronize()
-        on_device = [e for e in prof.events() if e.device_type.name == ("CUDA" if cuda else "CPU")
-                     and (not cuda or not e.name.startswith("cuda")) and (cuda or e.name.startswith("aten::"))]
+        def counted(e: Any) -> bool:  # kernels and copies on a GPU (not the runtime's calls); operators on the CPU
+            if cuda:
+                return e.device_type.name == "CUDA" and not e.name.startswith("cuda")
+            return e.device_type.name == "CPU" and e.name.startswith("aten::")
+
+        on_device = [e for e in prof.events() if counted(e)]
         by_name: dict[str, int] = {}
         for e in on_device:
             by_name[e.name] = by_name.get(e.name, 0) + 1
