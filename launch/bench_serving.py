@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from minisgl_mp.bench import plots
 from minisgl_mp.bench.cli import add_workload_args, token_range_of, workload_from_args
-from minisgl_mp.bench.proc_profile import ProcessMeter, PySpy, server_processes
+from minisgl_mp.bench.proc_profile import ProcessMeter, PySpy, sched_line, server_processes
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.bench.server_proc import LaunchedServer, launch_server
 from minisgl_mp.bench.serving_backends import Backend, OpenAIBackend, ZmqBackend
@@ -165,6 +165,8 @@ async def sweep(args: argparse.Namespace, backend: Backend, requests: list[tuple
         if cpu:
             print("  CPU cores busy: " + ", ".join(f"{n} {p['cores']:.2f}" for n, p in cpu["processes"].items()),
                   flush=True)
+            if (line := sched_line(cpu["processes"])) is not None:
+                print(line, flush=True)
         for name, prof in (profile or {}).items():
             if "error" in prof:
                 print(f"  py-spy {name}: {prof['error']}", flush=True)
@@ -219,8 +221,11 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
     meter = ProcessMeter({})
     meter.start()
     result = run_engine(llm, workload, token_range, "offline engine", args.progress).to_dict()
-    cores = meter.stop()["processes"]["benchmark client"]["cores"]
+    used = meter.stop()["processes"]["benchmark client"]
+    cores = used["cores"]
     print(f"  CPU cores busy: offline engine {cores:.2f}", flush=True)
+    if (line := sched_line({"offline engine": used})) is not None:
+        print(line, flush=True)
     kv_pages = llm.scheduler.runner.num_pages
     llm.shutdown()
     del llm
@@ -231,7 +236,7 @@ def offline_run(args: argparse.Namespace, requests_of: Callable[[int], Workload]
     if torch.cuda.is_available():  # the server sizes its KV pool in the memory left on the device
         torch.cuda.empty_cache()
     return {**result, "max_running_requests": engine.max_running_requests, "cpu_cores_busy": cores,
-            "kv_pages": kv_pages}, workload
+            "sched": used.get("sched"), "kv_pages": kv_pages}, workload
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -179,6 +180,8 @@ def test_serving_sweep_over_zmq_writes_report_and_plots(tiny_model_dir: Path, tm
         procs = run["process_cpu"]["processes"]  # where the CPU went, per process
         assert {"launcher", "scheduler", "tokenizer", "detokenizer", "benchmark client"} <= set(procs)
         assert procs["scheduler"]["cpu_seconds"] > 0 and all(p["cores"] >= 0 for p in procs.values())
+        if Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists():
+            assert procs["scheduler"]["sched"]["threads"] >= 1  # its OpenMP workers among them
     if plots:
         assert len(report["plots"]) == 2
         for p in report["plots"]:
@@ -283,3 +286,36 @@ def test_kernel_ab_prompt_attention(tmp_path: Path) -> None:
     rows = read(out)["rows"]
     assert [(r["prompts"], r["prompt_tokens"]) for r in rows] == [(8, 256), (1, 2048), (1, 512)]
     assert all(r["new_over_old"] > 0 for r in rows)
+
+
+def test_thread_waits_sleeps_and_preemptions(tmp_path: Path) -> None:
+    """The meter's scheduling figures: read per thread from /proc, summed over the threads alive
+    at the end, a thread that started meanwhile counted whole."""
+    from minisgl_mp.bench import proc_profile
+
+    def write(tid: int, delay_ns: int, sleeps: int, preempted: int) -> None:
+        task = tmp_path / "7" / "task" / str(tid)
+        task.mkdir(parents=True, exist_ok=True)
+        (task / "schedstat").write_text(f"999 {delay_ns} 5\n")
+        (task / "status").write_text(f"Name:\tx\nvoluntary_ctxt_switches:\t{sleeps}\n"
+                                     f"nonvoluntary_ctxt_switches:\t{preempted}\n")
+
+    write(7, 1_000_000, 10, 1)
+    before = proc_profile.thread_sched(7, tmp_path)
+    assert before == {7: (1_000_000, 10, 1)}
+    write(7, 3_000_000, 25, 4)
+    write(8, 500_000_000, 3, 2)  # an OpenMP worker started during the run
+    after = proc_profile.thread_sched(7, tmp_path)
+    assert proc_profile.sched_delta(before, after) == {
+        "waiting_seconds": 0.502, "sleeps": 18, "preemptions": 5, "threads": 2}
+    assert proc_profile.thread_sched(8, tmp_path) == {}  # no such process
+    assert proc_profile.sched_delta(before, {}) is None
+
+    meter = proc_profile.ProcessMeter({})
+    meter.start()
+    time.sleep(0.05)  # one sleep at least, on a kernel that exposes the counts
+    used = meter.stop()["processes"]["benchmark client"]
+    if "sched" in used:
+        assert used["sched"]["sleeps"] >= 1 and used["sched"]["waiting_cores"] >= 0
+        line = proc_profile.sched_line({"offline engine": used})
+        assert line is not None and line.startswith("  waiting for a core: offline engine ")

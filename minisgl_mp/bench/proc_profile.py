@@ -2,8 +2,12 @@
 
 `ProcessMeter` reads each process's CPU seconds (user + system, all threads; psutil) before
 and after the run: the scheduler, tokenizer, detokenizer and launcher, and the benchmark client
-itself, which shares the machine. `PySpy` additionally samples each server process with py-spy
-(when installed) and summarises the samples by the function on top of the stack.
+itself, which shares the machine. Where Linux exposes them (`/proc/<pid>/task/*/schedstat` and
+`status`), it also reads how long the process's threads waited for a core while ready to run,
+and how often they went to sleep and were preempted: on a machine whose cores the processes
+share, that is what a step loses to the others and to threads that sleep between its pieces.
+`PySpy` additionally samples each server process with py-spy (when installed) and summarises the
+samples by the function on top of the stack.
 """
 
 from __future__ import annotations
@@ -44,28 +48,84 @@ def cpu_seconds(pid: int) -> float | None:
     return t.user + t.system
 
 
+SCHED_FIELDS = ("run_delay_ns", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+
+
+def thread_sched(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[int, int, int]]:
+    """{thread id: (ns spent ready to run but waiting for a core, sleeps, preemptions)} of each
+    thread of a process so far; {} where the kernel does not expose them or the process is gone."""
+    out: dict[int, tuple[int, int, int]] = {}
+    try:
+        tasks = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            run_delay = int((task / "schedstat").read_text().split()[1])
+            status = (task / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile, or no schedstat in this kernel
+        switches = dict.fromkeys(SCHED_FIELDS[1:], 0)
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in switches:
+                switches[key] = int(value)
+        out[int(task.name)] = (run_delay, *switches.values())
+    return out
+
+
+def sched_delta(before: dict[int, tuple[int, int, int]],
+                after: dict[int, tuple[int, int, int]]) -> dict[str, float] | None:
+    """Summed over the threads alive at the end (a thread started meanwhile counts whole): the
+    seconds they waited for a core, and how many times they slept and were preempted."""
+    if not after:
+        return None
+    total = [0, 0, 0]
+    for tid, now in after.items():
+        then = before.get(tid, (0, 0, 0))
+        for i in range(3):
+            total[i] += now[i] - then[i]
+    return {"waiting_seconds": total[0] / 1e9, "sleeps": total[1], "preemptions": total[2],
+            "threads": len(after)}
+
+
 class ProcessMeter:
     """CPU seconds each process spent between `start()` and `stop()`, and what share of the
-    wall time that is (1.0 = one core busy throughout)."""
+    wall time that is (1.0 = one core busy throughout); with it, where the kernel says so, the
+    time its threads spent ready but waiting for a core, as a share of the wall time too, and
+    how many times they slept and were preempted."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = {**pids, "benchmark client": os.getpid()}
         self._before: dict[str, float | None] = {}
+        self._sched_before: dict[str, dict[int, tuple[int, int, int]]] = {}
         self._t0 = 0.0
 
     def start(self) -> None:
         self._before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self._sched_before = {name: thread_sched(pid) for name, pid in self.pids.items()}
         self._t0 = time.perf_counter()
 
     def stop(self) -> dict[str, Any]:
         wall = time.perf_counter() - self._t0
         procs = {}
         for name, pid in self.pids.items():
+            sched = sched_delta(self._sched_before.get(name, {}), thread_sched(pid))
             before, after = self._before.get(name), cpu_seconds(pid)
             if before is None or after is None:
                 continue
             procs[name] = {"pid": pid, "cpu_seconds": after - before, "cores": (after - before) / wall}
+            if sched is not None:
+                procs[name]["sched"] = {**sched, "waiting_cores": sched["waiting_seconds"] / wall}
         return {"wall_seconds": wall, "cpu_cores": os.cpu_count(), "processes": procs}
+
+
+def sched_line(procs: dict[str, Any]) -> str | None:
+    """One line for a run's output: per process, the cores' worth of time its threads waited
+    ready to run, and their sleeps and preemptions; None where the kernel gave no figures."""
+    parts = [f"{name} {p['sched']['waiting_cores']:.2f} ({p['sched']['sleeps']:,} sleeps, "
+             f"{p['sched']['preemptions']:,} preempted)" for name, p in procs.items() if "sched" in p]
+    return "  waiting for a core: " + ", ".join(parts) if parts else None
 
 
 class PySpy:
