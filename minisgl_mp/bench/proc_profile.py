@@ -48,7 +48,8 @@ def cpu_seconds(pid: int) -> float | None:
     return t.user + t.system
 
 
-SCHED_FIELDS = ("run_delay_ns", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+# the lines of /proc/<pid>/task/<tid>/status that count a thread's sleeps and preemptions
+SWITCH_FIELDS = ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
 
 
 def thread_sched(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[int, int, int]]:
@@ -65,7 +66,7 @@ def thread_sched(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[int, i
             status = (task / "status").read_text()
         except (OSError, IndexError, ValueError):
             continue  # the thread ended meanwhile, or no schedstat in this kernel
-        switches = dict.fromkeys(SCHED_FIELDS[1:], 0)
+        switches = dict.fromkeys(SWITCH_FIELDS, 0)
         for line in status.splitlines():
             key, _, value = line.partition(":")
             if key in switches:
