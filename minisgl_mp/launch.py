@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, launcher._on_signal)
         launcher.start()
         launcher.wait_ready()
-    except (StartupError, ModelNotFoundError, ValueError, OSError) as e:
+    except (StartupError, ModelNotFoundError, ValueError, OSError) as e:  # GGUFError is a ValueError
         logger.error("failed to start: %s", e)
         if launcher is not None:
             launcher.stop()

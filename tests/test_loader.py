@@ -247,7 +247,7 @@ def test_folder_without_config_is_reported(offline_hub: Path) -> None:
 @pytest.mark.timeout(60)
 def test_dummy_load_of_a_known_config_needs_no_weights(offline_hub: Path) -> None:
     source = resolve_model("Qwen3-0.6B", load_format="dummy")
-    assert source.weights_dir is None
+    assert source.weights is None
     if not (REPO_ROOT / "models" / "Qwen3-0.6B").exists():  # a downloaded copy's config wins
         assert source.config_path == CONFIGS_DIR / "Qwen3-0.6B.json"
     cfg = ModelConfig.from_file(source.config_path)
@@ -258,9 +258,9 @@ def test_dummy_load_of_a_known_config_needs_no_weights(offline_hub: Path) -> Non
 @pytest.mark.timeout(60)
 def test_local_folder_resolves_with_its_weights(tiny_model_dir: Path) -> None:
     source = resolve_model(str(tiny_model_dir))
-    assert source.weights_dir == tiny_model_dir.resolve()
+    assert source.weights == tiny_model_dir.resolve()
     assert source.config_path == tiny_model_dir.resolve() / "config.json"
-    assert resolve_model(str(tiny_model_dir), load_format="dummy").weights_dir is None
+    assert resolve_model(str(tiny_model_dir), load_format="dummy").weights is None
 
 
 @pytest.mark.timeout(60)

@@ -26,7 +26,7 @@ class BenchModel:
     engine_model: str  # what LLM(...) gets
     engine_load_format: str
     config_path: Path
-    hf_weights_dir: Path | None  # None: the baseline builds random weights from the config
+    hf_weights_dir: Path | None  # a folder or a GGUF file; None: the baseline builds random weights from the config
     tokenizer_dir: Path | None
     note: str
 
@@ -63,9 +63,9 @@ def prepare_model(model: str, load_format: str | None, checkpoint_root: Path, se
             load_format = "dummy"
     source = resolve_model(model, load_format, allow_download=False)
     tok = source.tokenizer_dir
-    if source.weights_dir is not None:
-        return BenchModel(model, load_format, source.config_path, source.weights_dir, tok,
-                          f"checkpoint {source.weights_dir}, loaded by both")
+    if source.weights is not None:
+        return BenchModel(model, load_format, source.config_path, source.weights, tok,
+                          f"checkpoint {source.weights}, loaded by both")
     # The config's own tokenizer when there is one (Qwen's for Qwen configs), so the benchmark
     # tokenizes as the real model does.
     tokenizer_dir = tok if tok is not None and (tok / "tokenizer.json").exists() else default_tokenizer_dir()

@@ -25,8 +25,11 @@ def load_hf_model(model: BenchModel, seed: int, device: str = "cpu", progress: b
     if not progress:
         hf_logging.disable_progress_bar()
 
-    if model.hf_weights_dir is not None:
-        hf = AutoModelForCausalLM.from_pretrained(str(model.hf_weights_dir), dtype=torch.float32)
+    weights = model.hf_weights_dir
+    if weights is not None and weights.is_file():  # a GGUF file: transformers dequantizes it itself
+        hf = AutoModelForCausalLM.from_pretrained(str(weights.parent), gguf_file=weights.name, dtype=torch.float32)
+    elif weights is not None:
+        hf = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
     else:
         torch.manual_seed(seed)
         config = AutoConfig.from_pretrained(str(model.config_path))

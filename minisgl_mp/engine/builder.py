@@ -56,7 +56,7 @@ def eos_token_ids(source: ModelSource, model_config: ModelConfig, tokenizer: Any
     """EOS ids from generation_config.json, config.json and the tokenizer, together."""
     ids = set(model_config.eos_token_ids)
     gen = source.config_path.parent / "generation_config.json"
-    if source.weights_dir is not None and gen.exists():
+    if source.weights is not None and gen.exists():
         with open(gen, encoding="utf-8") as f:
             eos = json.load(f).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])

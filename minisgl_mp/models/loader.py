@@ -1,4 +1,5 @@
-"""Loads Hugging Face safetensors checkpoints into our models.
+"""Loads Hugging Face safetensors checkpoints (and GGUF files, through `models/gguf.py`, whose
+tensors arrive under the same names) into our models.
 
 Checkpoint names are mapped to our parameter names here; separate q/k/v and gate/up tensors
 are copied into the fused projections, and a mixture-of-experts layer's per-expert tensors
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +26,7 @@ from tqdm import tqdm
 
 from minisgl_mp.distributed.shard import TPShard
 from minisgl_mp.models.config import ModelConfig
+from minisgl_mp.models.gguf import GGUFError, GGUFTensors, is_gguf
 
 
 class WeightLoadError(RuntimeError):
@@ -106,60 +110,80 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return mapping
 
 
-def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: bool = True,
-                 shard: TPShard | None = None) -> None:
-    """Fill `model` from the checkpoint. With `shard`, the model has `shard.rank_config(cfg)`
-    shapes and gets this rank's slices; `cfg` is always the whole model's config."""
+def _checkpoint_handles(weights: Path, cfg: ModelConfig) -> list[tuple[str, Callable[[], Any], list[str]]]:
+    """(label for errors, opener of a `safe_open`-like handle, tensor names) per file of the
+    checkpoint at `weights`: a folder of safetensors, or one GGUF file."""
+    if is_gguf(weights):
+        try:
+            handle = GGUFTensors(weights, cfg.num_heads, cfg.num_kv_heads)
+        except GGUFError as e:
+            raise WeightLoadError(str(e)) from None
+        return [(weights.name, lambda: handle, sorted(handle.keys()))]
     from safetensors import safe_open
 
-    full_cfg = cfg
-    cfg = shard.rank_config(full_cfg) if shard is not None else full_cfg
-    params = dict(model.named_parameters())
-    files = checkpoint_files(model_dir)
-    loaded: dict[str, str] = {}  # _Target.key -> checkpoint name
     by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
+    for name, file in checkpoint_files(weights).items():
         by_file.setdefault(file, []).append(name)
-
-    bar = tqdm(total=len(files), desc="Loading weights", unit="tensor", disable=not progress)
+    out = []
     for file, names in sorted(by_file.items()):
         if not file.exists():
             raise WeightLoadError(f"checkpoint file {file} is listed in the index but missing")
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:
-            raise WeightLoadError(f"{file}: cannot open safetensors file: {e}") from e
-        with handle as f:
-            for ckpt_name in sorted(names):
+
+        def opener(file: Path = file) -> Any:
+            try:
+                return safe_open(str(file), framework="pt", device="cpu")
+            except Exception as e:
+                raise WeightLoadError(f"{file}: cannot open safetensors file: {e}") from e
+
+        out.append((file.name, opener, sorted(names)))
+    return out
+
+
+def load_weights(model: nn.Module, cfg: ModelConfig, weights: Path, progress: bool = True,
+                 shard: TPShard | None = None) -> None:
+    """Fill `model` from the checkpoint at `weights` (a folder of safetensors or a GGUF file).
+    With `shard`, the model has `shard.rank_config(cfg)` shapes and gets this rank's slices;
+    `cfg` is always the whole model's config."""
+    full_cfg = cfg
+    cfg = shard.rank_config(full_cfg) if shard is not None else full_cfg
+    params = dict(model.named_parameters())
+    handles = _checkpoint_handles(weights, full_cfg)
+    loaded: dict[str, str] = {}  # _Target.key -> checkpoint name
+
+    bar = tqdm(total=sum(len(names) for _, _, names in handles), desc="Loading weights", unit="tensor",
+               disable=not progress)
+    for label, opener, names in handles:
+        with opener() as f:
+            for ckpt_name in names:
                 bar.update(1)
                 if _IGNORED.search(ckpt_name) or (cfg.tie_word_embeddings and ckpt_name == "lm_head.weight"):
                     continue
                 target = _map_name(ckpt_name)
                 if target is None or target.param not in params:
-                    raise WeightLoadError(f"unexpected tensor {ckpt_name!r} in {file.name}: the model has no such weight")
+                    raise WeightLoadError(f"unexpected tensor {ckpt_name!r} in {label}: the model has no such weight")
                 try:
                     tensor = _read(f, ckpt_name, target, full_cfg, shard)
                 except WeightLoadError as e:
-                    raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name}: {e}") from None
+                    raise WeightLoadError(f"tensor {ckpt_name!r} in {label}: {e}") from None
                 except Exception as e:
-                    raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} cannot be read: {e}") from e
+                    raise WeightLoadError(f"tensor {ckpt_name!r} in {label} cannot be read: {e}") from e
                 dest = _destination(params[target.param], target, cfg)
                 if shard is not None and _is_vocab(target.param) and tensor.shape[0] < dest.shape[0]:
                     dest[tensor.shape[0]:].zero_()  # the last rank's padding rows
                     dest = dest[: tensor.shape[0]]
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise WeightLoadError(
-                        f"tensor {ckpt_name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                        f"tensor {ckpt_name!r} in {label} has shape {tuple(tensor.shape)}, "
                         f"expected {tuple(dest.shape)}"
                     )
                 if not torch.isfinite(tensor).all():
-                    raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} contains NaN or inf")
+                    raise WeightLoadError(f"tensor {ckpt_name!r} in {label} contains NaN or inf")
                 # A whole stacked tensor (transformers 5 can save experts as one [E, 2I, H]
                 # tensor in our layout) fills every slice of it at once.
                 keys = ([t.key for t in _targets_of(target.param, params[target.param], cfg)]
                         if target.part is None and target.expert is None else [target.key])
                 if any(key in loaded for key in keys):
-                    raise WeightLoadError(f"tensor {ckpt_name!r} in {file.name} is given twice")
+                    raise WeightLoadError(f"tensor {ckpt_name!r} in {label} is given twice")
                 loaded.update(dict.fromkeys(keys, ckpt_name))
                 dest.copy_(tensor)
     bar.close()
@@ -168,7 +192,7 @@ def load_weights(model: nn.Module, cfg: ModelConfig, model_dir: Path, progress: 
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightLoadError(
-            f"{len(missing)} tensor(s) missing from the checkpoint in {model_dir}: {shown}"
+            f"{len(missing)} tensor(s) missing from the checkpoint in {weights}: {shown}"
         )
 
 

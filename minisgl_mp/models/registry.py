@@ -51,8 +51,8 @@ def build_model(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, devic
     no collectives yet (`layers/parallel.apply_tp` adds them)."""
     with torch.device(device), _default_dtype(dtype):
         model = model_class(cfg)(shard.rank_config(cfg) if shard is not None else cfg)
-    if source.weights_dir is None:
+    if source.weights is None:
         init_dummy_weights(model, seed=seed + (shard.rank if shard is not None else 0))
     else:
-        load_weights(model, cfg, source.weights_dir, progress=progress, shard=shard)
+        load_weights(model, cfg, source.weights, progress=progress, shard=shard)
     return model.eval()

@@ -1,9 +1,12 @@
-"""Finds a model from what the user typed: a folder, a Hugging Face hub id, or a short name."""
+"""Finds a model from what the user typed: a folder, a GGUF file (or a folder holding one), a
+Hugging Face hub id, or a short name."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from minisgl_mp.models.gguf import find_gguf, is_gguf, prepare_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs" / "models"
@@ -18,7 +21,7 @@ class ModelNotFoundError(FileNotFoundError):
 class ModelSource:
     name: str  # what the user typed; served as the model id
     config_path: Path
-    weights_dir: Path | None  # None: random weights (--load-format dummy)
+    weights: Path | None  # a folder of safetensors or a GGUF file; None: random weights (--load-format dummy)
     tokenizer_dir: Path | None
 
 
@@ -78,18 +81,31 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer: str | None =
         weights = None if load_format == "dummy" else folder
         return ModelSource(model, folder / "config.json", weights, tok)
 
+    def found_gguf(file: Path) -> ModelSource:
+        # The config and tokenizer come from the file's metadata, written once beside it in the cache.
+        derived = prepare_gguf(file.resolve())
+        tok = Path(tokenizer) if tokenizer else derived
+        weights = None if load_format == "dummy" else file.resolve()
+        return ModelSource(model, derived / "config.json", weights, tok)
+
     local = Path(model).expanduser()
+    if local.is_file() and is_gguf(local):
+        return found_gguf(local)
     if local.is_dir():
         if (local / "config.json").exists():
             return found(local.resolve())
-        tried.append(f"{local}: a folder without config.json")
+        if (gguf := find_gguf(local)) is not None:
+            return found_gguf(gguf)
+        tried.append(f"{local}: a folder without config.json or a GGUF file")
     else:
-        tried.append(f"{local}: no such folder")
+        tried.append(f"{local}: no such folder or GGUF file")
 
     short = model.rstrip("/").split("/")[-1]
     for d in _models_dirs():
         if (d / short / "config.json").exists():
             return found(d / short)
+        if (d / short).is_dir() and (gguf := find_gguf(d / short)) is not None:
+            return found_gguf(gguf)
         tried.append(f"{d / short}: not there")
 
     for repo_id in _hub_ids(model):
