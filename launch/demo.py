@@ -1,7 +1,9 @@
-"""`make demo`: start the server on a model, send it prompts (streamed, through the ZMQ client),
-show a chat turn reusing the cached prefix, print the engine's stats, and stop the server.
+"""`make demo`: start the server on a model, ask it questions (answers streamed through the
+ZMQ client, the chat template applied by the server), show a second chat turn reusing the
+cached prefix, print the engine's stats, and stop the server.
 
-    python launch/demo.py --model models/qwen3-tiny
+    python launch/demo.py                                   # SmolLM2-135M-Instruct, the default
+    python launch/demo.py --model models/qwen3-tiny         # any --model the server takes
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import time
 
 from minisgl_mp.client import Client
 
-PROMPTS = [
-    "The Python language",
-    "A dictionary maps keys to",
-    "def fibonacci(n):",
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a Python function that adds two numbers.",
 ]
 
 
@@ -36,25 +38,25 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen[str], s
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/qwen3-tiny")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    ap.add_argument("--max-tokens", type=int, default=64)
     args, extra = ap.parse_known_args()
     proc, endpoint = start_server(args.model, extra)
     try:
         with Client(endpoint, timeout=120) as client:
             params = {"max_tokens": args.max_tokens, "temperature": 0}
-            for prompt in PROMPTS:
-                print(f"\n>>> {prompt}")
+            for question in QUESTIONS:
+                print(f"\n>>> {question}")
                 t0 = time.perf_counter()
                 last = {}
-                for chunk in client.stream(prompt, sampling_params=params):
+                for chunk in client.stream(messages=[{"role": "user", "content": question}], sampling_params=params):
                     print(chunk["text"], end="", flush=True)
                     last = chunk
                 dt = time.perf_counter() - t0
                 u = last.get("usage", {})
                 print(f"\n    [{u.get('completion_tokens')} tokens in {dt:.2f}s, finish: {last.get('finish_reason')}]")
             messages = [{"role": "system", "content": "You are a helpful assistant."},
-                        {"role": "user", "content": "What is a list?"}]
+                        {"role": "user", "content": "What is a list in Python?"}]
             for turn in range(2):
                 reply = client.generate(messages=messages, sampling_params=params)
                 print(f"\n>>> chat turn {turn + 1}: {messages[-1]['content']}\n{reply['text']}")
