@@ -116,6 +116,21 @@ def test_steps_and_models_it_does_not_take_run_through_the_modules(tiny_model_di
     off = LLM(str(tiny_model_dir), num_pages=128, cpu_decode_plan=False)
     assert off.scheduler.runner.cpu_decode is None and off.scheduler.runner.model.layer_runner is None
     off.shutdown()
-    llama = LLM(str(make_checkpoint(arch="llama")), num_pages=128)
-    assert llama.scheduler.runner.cpu_decode is None  # its rotary runs in PyTorch: no C loop for it
-    llama.shutdown()
+    moe = LLM(str(make_checkpoint(arch="qwen3_moe")), num_pages=128)
+    assert moe.scheduler.runner.cpu_decode is None  # its experts run through the modules
+    moe.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_plan_takes_llama_and_qwen2_layers_bit_for_bit(make_checkpoint, arch: str) -> None:
+    # Llama's attention has no q/k norms; Qwen2's adds q/k/v biases: the C loop rotates
+    # without norms and its products add the biases, as the modules do.
+    llm = LLM(str(make_checkpoint(arch=arch)), num_pages=256)
+    assert llm.scheduler.runner.cpu_decode is not None
+    counts = _compare_every_step(llm)
+    _staggered(llm, {"a": 40, "b": 3, "c": 17})
+    assert counts["decode"]["steps"] >= 4
+    for kind in ("decode", "short", "chunk"):
+        c = counts[kind]
+        assert c["plan_ran"] == c["steps"] and c["mismatches"] == 0, (kind, c)
+    llm.shutdown()

@@ -8,8 +8,9 @@ kernels in the same order on the same inputs, so the outputs are the modules' ow
 this file checks once that a model is one it can run that way and lays out its weights'
 addresses.
 
-It takes the layers of a float32 Qwen3-style dense decoder (per-head q/k norms, fused qkv and
-gate/up projections, no tensor parallelism) whose every product and norm runs a C kernel, over
+It takes the layers of a float32 dense decoder of Qwen3's shape (per-head q/k norms), Llama's
+or Qwen2's (no q/k norms; biases on the products): fused qkv and gate/up projections, no
+tensor parallelism, every product, norm and rotation running a C kernel, over
 the `cpu` attention backend. Steps with prompt chunks are taken too, mixed with decodes or not
 (a mixed step paid the modules' Python calls once more than a decode step, docs/benchmarks.md
 section 26), as long as every request's attention runs a C kernel (not the `sdpa` fallback)
@@ -33,6 +34,8 @@ from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.layers.linear import Linear
 from minisgl_mp.layers.mlp import GatedMLP
 from minisgl_mp.models.decoder import DecoderLayer, DecoderLM
+from minisgl_mp.layers.norm import RMSNorm
+from minisgl_mp.models.llama import LlamaAttention
 from minisgl_mp.models.qwen3 import Qwen3Attention
 
 logger = logging.getLogger(__name__)
@@ -103,6 +106,11 @@ def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
     return None
 
 
+def _head_norms(attn: torch.nn.Module) -> tuple[RMSNorm | None, RMSNorm | None]:
+    """Qwen3's per-head q and k norms; (None, None) for Llama's and Qwen2's attention."""
+    return (attn.q_norm, attn.k_norm) if isinstance(attn, Qwen3Attention) else (None, None)
+
+
 def _row_limit(m: Linear) -> str | None:
     """Which of Linear's thresholds bounds the rows its C product takes: "panels" (beside
     oneDNN's copy, up to PANELS_MAX_ROWS), "stored" (below DENSE_MIN_ROWS), None (every batch)."""
@@ -156,9 +164,10 @@ class CpuDecodePlan:
         row_limits: set[str] = set()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, *_head_norms(attn))
             layers.append(_Layer(
-                *(_ptr(n.weight.data, keep) for n in norms), layer.input_layernorm.eps, attn.q_norm.eps,
+                *(None if n is None else _ptr(n.weight.data, keep) for n in norms), layer.input_layernorm.eps,
+                0.0 if norms[2] is None else norms[2].eps,
                 *(_product(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                 pool.k.data_ptr() + i * layer_bytes, pool.v.data_ptr() + i * layer_bytes))
             row_limits.update(filter(None, map(_row_limit, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -175,15 +184,20 @@ class CpuDecodePlan:
         if pool.k.device.type != "cpu" or pool.k.dtype not in cpu_kernels.KV_DTYPES:
             return f"a {pool.k.dtype} pool on {pool.k.device}"
         cfg = model.config
+        if not model.rotary.cpu_kernels:
+            return "a rotary table without its C kernel (float32 only)"
         for layer in model.layers:
-            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Qwen3Attention \
+            if type(layer) is not DecoderLayer or type(layer.self_attn) not in (Qwen3Attention, LlamaAttention) \
                     or type(layer.mlp) is not GatedMLP:
-                return f"{type(layer.self_attn).__name__} layers (the C loop has Qwen3's)"
+                return (f"{type(layer.self_attn).__name__} / {type(layer.mlp).__name__} layers "
+                        "(the C loop has Qwen3's, Llama's and Qwen2's dense layers)")
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            q_norm, k_norm = _head_norms(attn)
+            norms = [n for n in (layer.input_layernorm, layer.post_attention_layernorm, q_norm, k_norm) if n is not None]
             if not all(n.cpu_kernels and n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
                 return "norms without their C kernels (float32 only)"
-            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or attn.q_norm.eps != attn.k_norm.eps:
+            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or (
+                    q_norm is not None and q_norm.eps != k_norm.eps):
                 return "norms of one layer with different eps"
             if not mlp.cpu_kernels:
                 return "SwiGLU without its C kernel"

@@ -82,6 +82,11 @@ class RotaryEmbedding(nn.Module):
             "cos_sin", torch.stack((emb.cos() * scale, emb.sin() * scale), dim=1), persistent=False
         )
         self.max_position = max_position
+        self.cpu_kernels = False  # rotate in C, without norms (layers/qk_norm_rope.py)
+
+    def enable_cpu_kernels(self) -> bool:
+        self.cpu_kernels = self.cos_sin.device.type == "cpu" and self.cos_sin.dtype == torch.float32
+        return self.cpu_kernels
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -9,6 +9,7 @@ from torch import nn
 from minisgl_mp.attention.base import AttentionContext
 from minisgl_mp.layers.linear import Linear
 from minisgl_mp.layers.mlp import GatedMLP
+from minisgl_mp.layers.qk_norm_rope import qk_norm_rope
 from minisgl_mp.layers.rotary import RotaryEmbedding
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.decoder import DecoderLayer, DecoderLM
@@ -27,10 +28,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(positions, q.reshape(t, self.num_heads, self.head_dim),
-                    k.reshape(t, self.num_kv_heads, self.head_dim))
-        o = attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), self.layer_id)
+        q, k, v = qk_norm_rope(self.qkv_proj(x), positions, None, None, rope, self.num_heads, self.num_kv_heads,
+                               self.head_dim)
+        o = attn(q, k, v, self.layer_id)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
