@@ -72,10 +72,15 @@ $(PEERS)/vllm-venv/.installed: launch/peers/setup_vllm.sh
 $(PEERS)/llama-build/bin/llama-batched-bench: launch/peers/setup_llama_cpp.sh
 	PY=$(PY) bash launch/peers/setup_llama_cpp.sh $(PEERS)
 
-# The bench extra brings matplotlib, for the plot beside the JSON.
+# The bench extra brings matplotlib, for the plot beside the JSON. Two runs: the Qwen3-0.6B
+# shape (random weights), then the default real model at each weight format beside llama.cpp
+# at the same one, its shipped Q4_1 file included.
 bench-peers: install model bench-peers-setup
 	$(PYTHON) -m pip install --quiet -e '.[bench]'
 	$(PYTHON) launch/bench_peers.py --peers-dir $(PEERS) $(BENCH_PEERS_ARGS)
+	$(PYTHON) launch/bench_peers.py --peers-dir $(PEERS) --model $(DEFAULT_MODEL_DIR) --input-len 128 --output-len 64 \
+		--engine-variants float32,int8,int4 --gguf-types f32,q8_0,q4_1 --variant-measures fixed,decode \
+		--out bench_results/peers_smollm2.json --plot bench_results/peers_smollm2.png $(BENCH_PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis

@@ -4,9 +4,12 @@
     python launch/bench_peers.py                       # Qwen3-0.6B shape, every system (long)
     python launch/bench_peers.py --systems engine,llama-f32 --decode-batch-sizes 1
     python launch/bench_peers.py --engine-variants float32,float16,int8 --gguf-types f32,f16,q8_0
+    python launch/bench_peers.py --model models/SmolLM2-135M-Instruct --input-len 128 --output-len 64 \
+        --engine-variants float32,int8,int4 --gguf-types f32,q8_0,q4_1 --variant-measures fixed,decode
 
 One run, one checkpoint (by default a random Qwen3-0.6B-shaped one written by our make_model
-tool, see minisgl_mp/bench/checkpoints.py), the same requests, float32 weights unless a variant
+tool, see minisgl_mp/bench/checkpoints.py; or a GGUF file such as the default model's, which
+the engine and llama.cpp run as it is and vLLM from its float32 export), the same requests, float32 weights unless a variant
 says otherwise, 2 threads each. Every system runs in a subprocess of its own, one after the
 other, so none shares threads or caches with another. Per system:
 - fixed: 32 requests x 256 prompt tokens x 64 output tokens submitted at once, output tok/s;
@@ -65,10 +68,10 @@ ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float1
                    # oneDNN's prepacked copy for batches past 256 rows, the default before
                    # docs/benchmarks.md section 25 (the panels run them otherwise)
                    "float32-onednn": {"dtype": "float32", "cpu_prepack": True}}
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")  # q4_*: only the model's own GGUF file
 VLLM_DTYPES = ("float32", "bfloat16")
 # Variants whose arithmetic is not (only) float32: the float32 FMA ceiling is no floor for them.
-NOT_FLOAT32 = ("float16", "bfloat16", "int8", "-f16", "-bf16", "-q8_0")
+NOT_FLOAT32 = ("float16", "bfloat16", "int8", "int4", "-f16", "-bf16", "-q8_0", "-q4_0", "-q4_1")
 MEASURES = ("fixed", "prefill", "decode")
 BASELINE = "engine"  # ratios are each system's figure over this one's
 
@@ -180,7 +183,8 @@ def python_worker(name: str, python: str, script: str, spec: dict[str, Any], wor
 
 def engine_run(variant: str, spec: dict[str, Any], measures: list[str], batches: list[int],
                work: Path, timeout: float) -> dict[str, Any]:
-    s = {**spec, "engine": ENGINE_VARIANTS[variant], "measures": measures, "decode_batch_sizes": batches}
+    s = {**spec, "model": spec.get("engine_model", spec["model"]), "engine": ENGINE_VARIANTS[variant],
+         "measures": measures, "decode_batch_sizes": batches}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(spec["threads"])}
     return python_worker(f"engine-{variant}", sys.executable, str(REPO / "launch/peers/engine_worker.py"),
@@ -197,7 +201,22 @@ def vllm_run(spec: dict[str, Any], measures: list[str], batches: list[int], peer
     return python_worker(name, str(python), str(REPO / "launch/peers/vllm_worker.py"), s, work, timeout)
 
 
-def gguf_file(model_dir: Path, gtype: str, peers: Path, timeout: float) -> tuple[Path | None, str | None]:
+def gguf_type(file: Path) -> str:
+    """A GGUF file's weight type as convert_hf_to_gguf names it (f32, q8_0, q4_1, ...)."""
+    from gguf import GGUFReader, LlamaFileType
+
+    ft = GGUFReader(str(file)).fields["general.file_type"].contents()
+    return LlamaFileType(ft).name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
+def gguf_file(model_dir: Path, gtype: str, peers: Path, timeout: float,
+              source: Path | None = None) -> tuple[Path | None, str | None]:
+    """The GGUF file llama.cpp runs: the model's own (`source`) when it is of that type, else
+    one converted from the float32 checkpoint by llama.cpp's converter."""
+    if source is not None and gguf_type(source) == gtype:
+        return source, None
+    if gtype.startswith("q4_"):
+        return None, f"{gtype}: only the model's own GGUF file is run at that type (the converter writes none)"
     out = peers / "gguf" / f"{model_dir.name}-{gtype}.gguf"
     if out.exists():
         return out, None
@@ -223,13 +242,24 @@ def batched_bench(binary: Path, gguf: Path, threads: int, npp: int, ntg: int, np
     return [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"speed_tg"' in line]
 
 
+def llama_bench(binary: Path, gguf: Path, threads: int, n_gen: int, log: Path, timeout: float) -> dict[str, Any]:
+    """llama-bench's batch-1 generation (tg): its mean tokens per second over its repetitions."""
+    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", "3", "-o", "jsonl"]
+    rc, _ = run_logged(cmd, log, timeout)
+    text = log.read_text(encoding="utf-8", errors="replace")
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {'timed out' if rc is None else f'exit {rc}'}: ...{text[-600:]}")
+    row = next(json.loads(line) for line in text.splitlines() if line.startswith("{") and '"avg_ts"' in line)
+    return {"n_gen": row["n_gen"], "tok_s": row["avg_ts"], "step_ms": 1e3 / row["avg_ts"], "llama_bench": row}
+
+
 def llama_run(gtype: str, model_dir: Path, spec: dict[str, Any], measures: list[str], batches: list[int],
-              peers: Path, work: Path, timeout: float) -> dict[str, Any]:
+              peers: Path, work: Path, timeout: float, source: Path | None = None) -> dict[str, Any]:
     binary = peers / "llama-build/bin/llama-batched-bench"
     if not binary.exists():
         return {"error": f"{binary} missing: run `make bench-peers-setup` (or launch/peers/setup_llama_cpp.sh)"}
     start = time.perf_counter()
-    gguf, why = gguf_file(model_dir, gtype, peers, timeout)
+    gguf, why = gguf_file(model_dir, gtype, peers, timeout, source)
     if gguf is None:
         return {"error": why}
     src = sorted(peers.glob("src/llama_cpp_python-*/"))
@@ -250,6 +280,10 @@ def llama_run(gtype: str, model_dir: Path, spec: dict[str, Any], measures: list[
                                  work / f"llama-{gtype}-decode.log", timeout)
             result["decode"] = [{"batch": r["pl"], "step_ms": 1e3 * r["t_tg"] / r["tg"], "steps": r["tg"],
                                  "batched_bench": r} for r in rows]
+            bench = peers / "llama-build/bin/llama-bench"
+            if 1 in batches and bench.exists():
+                result["batch1_llama_bench"] = llama_bench(bench, gguf, t, 128, work / f"llama-{gtype}-bench.log",
+                                                           timeout)
     except (RuntimeError, IndexError, json.JSONDecodeError) as e:
         result["error"] = str(e)
     result["wall_s"] = time.perf_counter() - start
@@ -362,9 +396,20 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_peers: the peers need a checkpoint on disk (no --load-format dummy without one)", file=sys.stderr)
         return 2
     model_dir = Path(model.hf_weights_dir)
+    source = None
+    if model_dir.is_file():  # a GGUF file: the engine and llama.cpp run it; the rest its float32 export
+        from minisgl_mp.tools.gguf_to_hf import convert
+
+        source = model_dir
+        model_dir = args.peers_dir / "checkpoints" / f"{source.stem}-f32"
+        if not (model_dir / "model.safetensors").exists():
+            print(f"writing {source.name} as a float32 checkpoint to {model_dir} (once)", flush=True)
+            convert(source, model_dir)
     config = json.loads(model.config_path.read_text(encoding="utf-8"))
     vocab = config["vocab_size"]
     spec = make_spec(args, model_dir, vocab)
+    if source is not None:
+        spec["engine_model"] = str(source.resolve())  # int4 / int8 keep the file's own values
     work = args.out.parent / "peers_work"
     work.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model}: {model.note}", flush=True)
@@ -398,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             full = g == "f32"
             runs.append((f"llama-{g}", lambda g=g, full=full: llama_run(
                 g, model_dir, spec, args.measures if full else args.variant_measures,
-                args.decode_batch_sizes if full else args.variant_batch_sizes, args.peers_dir, work, args.timeout)))
+                args.decode_batch_sizes if full else args.variant_batch_sizes, args.peers_dir, work, args.timeout,
+                source)))
     results: dict[str, dict[str, Any]] = {}
     if args.reuse:
         earlier = json.loads(args.reuse.read_text(encoding="utf-8"))
