@@ -67,10 +67,11 @@ def test_unsupported_rope_type_is_named(tiny_config: dict[str, Any]) -> None:
 
 
 def test_defaults_for_keys_older_configs_omit(tiny_config: dict[str, Any]) -> None:
-    raw = {k: v for k, v in tiny_config.items()
-           if k not in ("head_dim", "num_key_value_heads", "rope_theta", "eos_token_id", "architectures")}
+    # transformers' Qwen3Config defaults: head_dim 128 (not hidden / heads), rope_theta 1e4, no
+    # eos; tests/test_config_autoconfig.py checks every architecture's defaults against its model.
+    raw = {k: v for k, v in tiny_config.items() if k not in ("head_dim", "rope_theta", "eos_token_id", "architectures")}
     cfg = ModelConfig.from_dict(raw)
-    assert cfg.head_dim == 256 // 4 and cfg.num_kv_heads == cfg.num_heads == 4
+    assert cfg.head_dim == 128 and cfg.num_kv_heads == 2
     assert cfg.rope.theta == 10000.0 and cfg.eos_token_ids == ()
     assert cfg.architecture == "Qwen3ForCausalLM"
 
@@ -84,7 +85,8 @@ def test_eos_list_and_dtype_key(tiny_config: dict[str, Any]) -> None:
 @pytest.mark.parametrize("keys, message", [
     ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_attention_heads \\(4\\) must be a multiple"),
     ({"vocab_size": 0}, "vocab_size must be positive"),
-    ({"num_hidden_layers": -1}, "num_layers must be positive"),
+    ({"num_hidden_layers": 0}, "num_layers must be positive"),
+    ({"num_hidden_layers": -1}, "transformers refuses it: .*`num_hidden_layers` \\(-1\\)"),
 ])
 def test_invalid_shapes_are_refused(tiny_config: dict[str, Any], keys: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -145,7 +147,8 @@ def test_sparse_layers_follow_transformers(tiny_config: dict[str, Any], step: in
 @pytest.mark.parametrize("bad, match", [
     ({"use_sliding_window": True}, "sliding-window"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"num_experts": 8, "num_experts_per_tok": 9, "moe_intermediate_size": 16}, "num_experts_per_tok"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 9, "moe_intermediate_size": 16},
+     "num_experts_per_tok"),
 ])
 def test_unsupported_or_inconsistent_configs_are_refused(tiny_config: dict[str, Any], bad: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

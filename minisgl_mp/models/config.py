@@ -1,11 +1,29 @@
-"""The model's architecture, read once from a Hugging Face `config.json`."""
+"""The model's architecture, read once from a Hugging Face `config.json` through transformers'
+config classes, so that each key's name and default is the one transformers loads the checkpoint
+with."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+# NOTE: transformers is imported inside the readers, not here: its config module imports torch,
+# and this module is imported by the launcher, whose spawned tokenizer and detokenizer processes
+# must stay torch-free.
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# model_type -> architectures[0], for configs that name no architecture (a GGUF file's).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+MOE_MODEL_TYPES = ("qwen3_moe",)
 
 
 @dataclass(frozen=True)
@@ -95,41 +113,62 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or ["Qwen3ForCausalLM"]
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if cfg.get("use_sliding_window"):
+    def from_hf_config(cls, hf: PretrainedConfig) -> ModelConfig:
+        """From a transformers config object (`AutoConfig.from_pretrained(folder)`, also with
+        `gguf_file=`): its attribute maps and defaults are the ones transformers builds the model
+        with (`num_experts` for `num_local_experts`, rope_theta inside rope_parameters, ...)."""
+        model_type = _supported_model_type(getattr(hf, "model_type", None))
+        if getattr(hf, "use_sliding_window", False):
             raise ValueError("model config: sliding-window attention (use_sliding_window) is not supported")
-        if cfg.get("mlp_bias"):
+        if getattr(hf, "mlp_bias", False):
             raise ValueError("model config: MLP biases (mlp_bias) are not supported")
+        heads, hidden = int(hf.num_attention_heads), int(hf.hidden_size)
+        eos = hf.eos_token_id
+        eos_ids = tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        dtype = getattr(hf, "dtype", None)  # a torch.dtype where torch is importable, else its name
+        moe = model_type in MOE_MODEL_TYPES
         return cls(
-            architecture=archs[0],
-            model_type=cfg.get("model_type", "qwen3"),
-            vocab_size=int(cfg["vocab_size"]),
+            architecture=(hf.architectures or [ARCHITECTURES[model_type]])[0],
+            model_type=model_type,
+            vocab_size=int(hf.vocab_size),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=int(hf.intermediate_size),
+            num_layers=int(hf.num_hidden_layers),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope=_rope_from_dict(cfg),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            # As transformers' attention modules read it: Qwen2 and Qwen3-MoE configs have no
+            # head_dim field, Qwen3's defaults to 128.
+            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
+            rms_norm_eps=float(hf.rms_norm_eps),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            rope=_rope_from_hf(hf),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            hf_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            num_experts=int(cfg.get("num_experts") or 0),
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            bos_token_id=None if hf.bos_token_id is None else int(hf.bos_token_id),
+            hf_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+            num_experts=int(hf.num_experts) if moe else 0,
+            num_experts_per_tok=int(hf.num_experts_per_tok) if moe else 0,
+            moe_intermediate_size=int(hf.moe_intermediate_size) if moe else 0,
+            norm_topk_prob=bool(hf.norm_topk_prob) if moe else False,
+            decoder_sparse_step=int(hf.decoder_sparse_step) if moe else 1,
+            mlp_only_layers=tuple(int(i) for i in hf.mlp_only_layers or ()) if moe else (),
         )
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a config.json's contents; without a model_type it is read as Qwen3's."""
+        from huggingface_hub.errors import StrictDataclassError
+        from transformers import CONFIG_MAPPING
+
+        model_type = _supported_model_type(cfg.get("model_type", "qwen3"))
+        try:
+            # A copy: transformers fills its rope dicts in place.
+            hf = CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(cfg))
+        except (StrictDataclassError, TypeError, ValueError) as e:
+            # huggingface_hub's strict-dataclass errors put the reason on a second, indented line.
+            raise ValueError(f"model config: transformers refuses it: {' '.join(str(e).split())}") from e
+        return cls.from_hf_config(hf)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -137,16 +176,23 @@ class ModelConfig:
             return cls.from_dict(json.load(f))
 
 
-def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
-    # Older checkpoints say `rope_scaling` (with `type` or `rope_type`); transformers 5 writes
-    # `rope_parameters`, which also carries rope_theta.
-    scaling = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    theta = float(scaling.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0))
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
+def _supported_model_type(model_type: str | None) -> str:
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model config: model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    return model_type
+
+
+def _rope_from_hf(hf: PretrainedConfig) -> RopeConfig:
+    # transformers 5 gathers rope_theta and the older `rope_scaling` (keyed `type` or
+    # `rope_type`) into rope_parameters, and fills original_max_position_embeddings for llama3
+    # and yarn from max_position_embeddings.
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("model config: rope parameters per layer type are not supported")
+    theta = float(params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
     if rope_type in ("llama3", "yarn"):
-        scaling.setdefault(
-            "original_max_position_embeddings",
-            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")),
-        )
-    return RopeConfig(theta=theta, rope_type=rope_type, params=scaling)
+        params.setdefault("original_max_position_embeddings", int(hf.max_position_embeddings))
+    return RopeConfig(theta=theta, rope_type=rope_type, params=params)
