@@ -153,3 +153,27 @@ def test_sparse_layers_follow_transformers(tiny_config: dict[str, Any], step: in
 def test_unsupported_or_inconsistent_configs_are_refused(tiny_config: dict[str, Any], bad: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_dict(tiny_config | bad)
+
+
+def test_gguf_rope_divisors_reproduce_llama3_scaling(tiny_config: dict[str, Any]) -> None:
+    # llama.cpp stores Llama 3's rope scaling in a GGUF file as per-frequency divisors (its
+    # rope_freqs tensor); read back from the derived config, they give llama3's frequencies.
+    from minisgl_mp.layers.rotary import compute_inv_freq
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    scaled = ModelConfig.from_dict({**tiny_config, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                    "rope_scaling": llama3})
+    dim = scaled.head_dim
+    target, _ = compute_inv_freq(scaled.rope, dim, 128)
+    plain = ModelConfig.from_dict({**tiny_config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    base, _ = compute_inv_freq(plain.rope, dim, 128)
+    divisors = (base / target).tolist()
+    assert any(d > 1.5 for d in divisors)  # the scaling changes some frequencies
+    gguf_like = ModelConfig.from_dict({**tiny_config, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                       "rope_freq_divisors": divisors})
+    assert gguf_like.rope.freq_divisors == tuple(divisors)
+    got, _ = compute_inv_freq(gguf_like.rope, dim, 128)
+    torch.testing.assert_close(got, target, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="frequency divisors"):
+        compute_inv_freq(gguf_like.rope, dim * 2, 128)

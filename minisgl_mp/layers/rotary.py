@@ -60,6 +60,16 @@ def _yarn_inv_freq(dim: int, theta: float, p: dict, max_pos: int) -> tuple[torch
 
 def compute_inv_freq(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [dim / 2], scale applied to cos and sin)."""
+    inv_freq, scale = _scaled_inv_freq(rope, dim, max_pos)
+    if rope.freq_divisors:
+        if len(rope.freq_divisors) != dim // 2:
+            raise ValueError(f"rope: {len(rope.freq_divisors)} frequency divisors for head_dim {dim} "
+                             f"(expected {dim // 2})")
+        inv_freq = inv_freq / torch.tensor(rope.freq_divisors, dtype=inv_freq.dtype)
+    return inv_freq, scale
+
+
+def _scaled_inv_freq(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     if rope.rope_type == "default":
         return _default_inv_freq(dim, rope.theta), 1.0
     if rope.rope_type == "linear":

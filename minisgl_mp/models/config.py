@@ -32,6 +32,9 @@ class RopeConfig:
     # "default", "linear", "llama3" or "yarn", as transformers names them.
     rope_type: str = "default"
     params: dict[str, Any] = field(default_factory=dict)
+    # Per-frequency divisors of the inverse frequencies, [head_dim / 2]: how llama.cpp stores
+    # Llama 3's rope scaling in a GGUF file (its rope_freqs tensor) instead of parameters.
+    freq_divisors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "linear", "llama3", "yarn"):
@@ -195,4 +198,6 @@ def _rope_from_hf(hf: PretrainedConfig) -> RopeConfig:
     params.pop("type", None)
     if rope_type in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", int(hf.max_position_embeddings))
-    return RopeConfig(theta=theta, rope_type=rope_type, params=params)
+    # Not a transformers key: models/gguf.py writes it for a GGUF file with a rope_freqs tensor.
+    divisors = tuple(float(x) for x in getattr(hf, "rope_freq_divisors", None) or ())
+    return RopeConfig(theta=theta, rope_type=rope_type, params=params, freq_divisors=divisors)
