@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 from minisgl_mp.detokenizer.incremental import PROMPT_TAIL_TOKENS, IncrementalDetokenizer, visible_ids
@@ -10,7 +11,8 @@ from minisgl_mp.engine.builder import build_scheduler
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# Text, token ids, or a tokenizer's output holding them under "input_ids".
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class LLM:
@@ -20,6 +22,8 @@ class LLM:
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, Mapping):  # a tokenizer's output, e.g. apply_chat_template(tokenize=True)
+            prompt = prompt["input_ids"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
@@ -32,7 +36,7 @@ class LLM:
         fails inside the engine (a failed step) has finish_reason "error" and the reason under
         "error"; the other requests of the call go on. A prompt that cannot run at all raises
         ValueError before anything runs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)

@@ -191,3 +191,14 @@ def test_bfloat16_kv_cache_halves_the_pool_and_follows_transformers(tiny_model_d
         assert len(out["token_ids"]) == MAX_TOKENS
         check_teacher_forced(hf, prompt, out["token_ids"], tol=0.1)
     assert_no_leak(small)
+
+
+def test_a_tokenizers_output_is_a_prompt(tiny_model_dir) -> None:
+    # transformers 5's apply_chat_template(tokenize=True) returns a BatchEncoding, not a list.
+    llm = LLM(str(tiny_model_dir), num_pages=64)
+    enc = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
+                                            add_generation_prompt=True)
+    ids = list(enc["input_ids"])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert llm.generate(enc, params)[0]["token_ids"] == llm.generate(ids, params)[0]["token_ids"]
+    llm.shutdown()
