@@ -62,6 +62,12 @@ class EngineConfig:
     cpu_prefault_kv: bool = field(default=False, metadata=_help("on CPU, write the whole KV pool once at start, so no step pays first-touch page faults (about 1.4 s per GiB at start; benchmarks turn it on)"))
     cpu_keep_freed_memory: bool = field(default=True, metadata=_help("on CPU (Linux, glibc), keep freed memory in the process's heap for reuse rather than unmapping large blocks, so each step's large tensors do not page-fault in again; the process keeps its peak memory"))
     num_threads: int | None = field(default=None, metadata=_help("torch CPU threads (default: torch's)"))
+    # Speculative decoding (SGLang's flag names)
+    speculative_algorithm: str | None = field(default=None, metadata=_help("NGRAM: each decoding request drafts the tokens that followed the last earlier occurrence of its most recent tokens (in its prompt and output) and the step verifies them all at once; greedy output is unchanged and sampled output keeps its distribution (rejection sampling). Pays on text that copies: rewrites, extraction, edits, answers from a document"))
+    speculative_num_draft_tokens: int = field(default=4, metadata=_help("NGRAM: tokens drafted per request and step"))
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata=_help("NGRAM: the shortest suffix of the request that a draft is looked up by"))
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata=_help("NGRAM: the longest (the longest one found wins)"))
+    speculative_max_batch_tokens: int = field(default=64, metadata=_help("NGRAM: no request drafts in a step whose decodes times (draft tokens + 1) exceed this: a batch that large is bound by compute, where drafts cost what they save"))
     # Structured output
     grammar_backend: str = field(default="auto", metadata=_help("grammar engine for json_schema / regex / ebnf / response_format: xgrammar, none (such requests are refused), auto (xgrammar when installed)"))
     constrained_json_any_whitespace: bool = field(default=False, metadata=_help("let JSON output put any whitespace between tokens (SGLang's and vLLM's default); off: compact JSON, since a model that likes whitespace can fill max_tokens with it"))
@@ -94,6 +100,13 @@ class EngineConfig:
         check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
         check(self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.speculative_algorithm in (None, "NGRAM"),
+              f"speculative_algorithm must be NGRAM (or unset), got {self.speculative_algorithm!r}")
+        check(self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens must be >= 1")
+        check(1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size,
+              "speculative n-gram window sizes must satisfy 1 <= min <= max")
+        check(self.speculative_algorithm is None or self.tp_size == 1,
+              "speculative decoding does not run under tensor parallelism yet (--tp-size 1)")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
 
     def prefill_chunk(self, device_type: str) -> int:

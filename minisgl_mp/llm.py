@@ -79,6 +79,9 @@ class LLM:
                                usage={"prompt_tokens": out.prompt_tokens,
                                       "completion_tokens": out.completion_tokens,
                                       "cached_tokens": out.cached_tokens})
+                    if out.spec_verify_ct:
+                        res["usage"].update(spec_verify_ct=out.spec_verify_ct,
+                                            spec_accept_length=1 + out.spec_accepted_tokens / out.spec_verify_ct)
         for rid in rids:
             d = detoks.get(rid)
             if d is not None:

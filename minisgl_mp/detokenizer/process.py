@@ -63,6 +63,7 @@ class DetokenizerLoop:
                 finish_reason=o.finish_reason, matched_stop=o.matched_stop,
                 prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
                 cached_tokens=o.cached_tokens, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
+                spec_verify_ct=o.spec_verify_ct, spec_accepted_tokens=o.spec_accepted_tokens,
             ))
         return BatchTextOut(outs)
 

@@ -87,6 +87,9 @@ class TokenOut:
     detok: DetokParams | None = None
     # With a request's first output, when it asked for prompt log-probabilities.
     prompt_logprobs: list[LogprobEntry] | None = None
+    # Speculative decoding, so far: verification steps and the drafts they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @message("batch_token_out")
@@ -122,6 +125,13 @@ class TextOut:
     cached_tokens: int
     logprobs: list[LogprobEntry]
     prompt_logprobs: list[LogprobEntry] | None = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens per verification step (SGLang's spec_accept_length); 0 before any."""
+        return 1 + self.spec_accepted_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
 
 @message("batch_text_out")

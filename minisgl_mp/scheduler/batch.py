@@ -24,7 +24,8 @@ class ScheduledBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     # Rows of the batch's tokens that go through the LM head: first one per sampled request
-    # (in `sampled_reqs` order), then the prompt positions of `prompt_logprob_spans`.
+    # (in `sampled_reqs` order), then every row of each verified draft (`verifies` order), then
+    # the prompt positions of `prompt_logprob_spans`.
     logits_indices: torch.Tensor
     # (request, first position, count): prompt positions whose logits this forward returns
     # after the sampled rows, for prompt log-probabilities. Empty unless a request asked.
@@ -32,6 +33,13 @@ class ScheduledBatch:
     # Some decode's input is the unread token of the step launched before (overlap
     # scheduling): -(k + 1) in `input_ids` stands for that step's k-th sampled token.
     has_futures: bool = False
+    # Speculative decoding: (request, its draft) for each request that runs [last token] + draft
+    # this step and is verified from all those rows' logits (neither sampled nor a prefill).
+    verifies: tuple[tuple[Req, list[int]], ...] = ()
+
+    @property
+    def num_verify_rows(self) -> int:
+        return sum(len(d) + 1 for _, d in self.verifies)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -43,10 +51,12 @@ class ScheduledBatch:
 
 
 def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
-                prefills: list[tuple[Req, int, torch.Tensor]], device: torch.device) -> ScheduledBatch:
+                prefills: list[tuple[Req, int, torch.Tensor]], device: torch.device,
+                verifies: list[tuple[Req, list[int], torch.Tensor]] = ()) -> ScheduledBatch:
     """decodes: requests running one token each, with the KV slot of each ([len(decodes)], one
-    tensor for the group, from `CacheManager.reserve_decodes`); prefills: (request, tokens to
-    run, their KV slots). The batch is the decodes, then the prefills, in the given orders."""
+    tensor for the group, from `CacheManager.reserve_decodes`); verifies: (request, its draft,
+    the KV slots of its draft + 1 tokens); prefills: (request, tokens to run, their KV slots).
+    The batch is the decodes, then the verifies, then the prefills, in the given orders."""
     nd = len(decodes)
     reqs = list(decodes)
     lens = [1] * nd
@@ -58,6 +68,18 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
     locs = [decode_locs] if nd else []
     spans, span_rows = [], []
     offset = nd
+    verify_rows = []
+    for req, draft, out_loc in verifies:
+        n = len(draft) + 1
+        reqs.append(req)
+        lens.append(n)
+        prefill.append(False)
+        sampled.append(False)
+        ids += [req.token_ids[req.cached_len], *draft]
+        pos.extend(range(req.cached_len, req.cached_len + n))
+        locs.append(out_loc)
+        verify_rows.extend(range(offset, offset + n))
+        offset += n
     for req, n, out_loc in prefills:
         start = req.cached_len
         reqs.append(req)
@@ -78,7 +100,7 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
         if done:
             logit_rows.append(offset - 1)
     layout = BatchLayout(
-        mode=ForwardMode.EXTEND if prefills else ForwardMode.DECODE,
+        mode=ForwardMode.EXTEND if prefills or verifies else ForwardMode.DECODE,
         req_slots=host_tensor([r.row for r in reqs], torch.int64, device),
         cached_lens=tuple(r.cached_len for r in reqs),
         extend_lens=tuple(lens),
@@ -88,7 +110,8 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
         reqs=reqs, extend_lens=lens, sampled=sampled, prefill=prefill, layout=layout,
         input_ids=host_tensor(ids, torch.int64, device),
         positions=host_tensor(pos, torch.int64, device),
-        logits_indices=host_tensor(logit_rows + span_rows, torch.int64, device),
+        logits_indices=host_tensor(logit_rows + verify_rows + span_rows, torch.int64, device),
         prompt_logprob_spans=tuple(spans),
         has_futures=any(t < 0 for t in ids[:nd]),
+        verifies=tuple((r, d) for r, d, _ in verifies),
     )

@@ -172,6 +172,7 @@ class SchedulerLoop:
             logprobs=[_entry(lp) for lp in o.logprobs],
             detok=self._detok.pop(o.rid, None),
             prompt_logprobs=[_entry(lp) for lp in o.prompt_logprobs] if o.prompt_logprobs else None,
+            spec_verify_ct=o.spec_verify_ct, spec_accepted_tokens=o.spec_accepted_tokens,
         )
 
 

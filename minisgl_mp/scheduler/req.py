@@ -78,6 +78,9 @@ class Req:
         # The seed its random draws come from: its own, or one the sampler drew at its first
         # admission (kept across retractions, so resuming does not change what it samples).
         self.sampling_seed: int | None = None
+        # Speculative decoding: the request's n-gram index, drafting policy and acceptance
+        # counts (speculative/speculator.SpecState), from its first draft; None without.
+        self.spec: Any | None = None
 
     @property
     def seq_len(self) -> int:

@@ -301,10 +301,17 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, params: list, rows: torch.Tensor) -> torch.Tensor:
         """One token per row of `logits` ([b, V]) by the rows' temperature, top-k, top-p and
-        min-p. Top-k keeps every token tied with the k-th (as vLLM does), top-p counts mass
-        after top-k, min-p is relative to the most likely token. The probabilities are computed
-        once, in token-id order, and only masked: a row's token depends on its own logits,
-        parameters and u, never on which of these the rest of the batch used."""
+        min-p, drawn with the row's (seed, output position) uniform."""
+        s = self.state
+        return inverse_cdf(self.probabilities(logits, params, rows), counter_uniform(s.seed[rows], s.out_len[rows]))
+
+    def probabilities(self, logits: torch.Tensor, params: list, rows: torch.Tensor) -> torch.Tensor:
+        """The distribution a random row samples from ([b, V], unnormalised after top-p and
+        min-p), by its state row's temperature, top-k, top-p and min-p. Top-k keeps every token
+        tied with the k-th (as vLLM does), top-p counts mass after top-k, min-p is relative to
+        the most likely token. The probabilities are computed once, in token-id order, and only
+        masked: a row's token depends on its own logits, parameters and u, never on which of
+        these the rest of the batch used."""
         s = self.state
         logits = logits / s.temperature[rows][:, None]
         vocab = logits.shape[1]
@@ -319,17 +326,15 @@ class Sampler:
             probs = _top_p(probs, s.top_p[rows])
         if any(p.min_p > 0 for p in params):
             probs = probs.masked_fill(probs < s.min_p[rows][:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        return self._inverse_cdf(probs, rows)
+        return probs
 
-    def _inverse_cdf(self, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The first column whose cumulative mass reaches u * total, u in (0, 1] from the row's
-        (seed, output position): a zero-probability column never does, as the cumulative sum
-        does not rise there (and u > 0)."""
-        s = self.state
-        cdf = probs.cumsum(dim=-1)
-        u = counter_uniform(s.seed[rows], s.out_len[rows])
-        target = (u * cdf[:, -1].to(torch.float64)).to(cdf.dtype).clamp(min=torch.finfo(cdf.dtype).tiny)
-        return torch.searchsorted(cdf, target[:, None])[:, 0].clamp(max=probs.shape[1] - 1)
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first column whose cumulative mass reaches u * total, u in (0, 1]: a
+    zero-probability column never does, as the cumulative sum does not rise there (and u > 0)."""
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1].to(torch.float64)).to(cdf.dtype).clamp(min=torch.finfo(cdf.dtype).tiny)
+    return torch.searchsorted(cdf, target[:, None])[:, 0].clamp(max=probs.shape[1] - 1)
 
 
 # On the CPU, top-p looks for its nucleus among this many most likely tokens first, and sorts

@@ -39,6 +39,7 @@ from minisgl_mp.scheduler.prefill_budget import MixedPrefillBudget
 from minisgl_mp.scheduler.policy import InFlightPrefixes, order_waiting
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
 from minisgl_mp.scheduler.sampler import DeviceSample, SampleResult, Sampler, record_prompt_logprobs
+from minisgl_mp.speculative.speculator import NgramSpeculator, Verified, release_rejected
 from minisgl_mp.utils.device import host_tensor
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class LaunchedStep:
     batch: ScheduledBatch
     sample: DeviceSample | SampleResult | None
     positions: list[int]  # per sampled request
+    verified: list[Verified] = field(default_factory=list)  # per entry of batch.verifies
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,9 @@ class ReqOutput:
     error_kind: str = "internal"  # "invalid_request": the request's fault (its grammar), a 400
     # With the first output only: the prompt's log-probabilities, when asked for.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Speculative decoding, so far: the request's verification steps and the drafts they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -127,6 +132,9 @@ class SchedulerStats:
     aborted: int = 0
     failed_requests: int = 0
     failed_steps: int = 0
+    spec_verify_steps: int = 0  # speculative decoding: requests' verification steps,
+    spec_drafted_tokens: int = 0  # the draft tokens they checked,
+    spec_accepted_tokens: int = 0  # and those accepted
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -175,7 +183,15 @@ class Scheduler:
         # Overlap scheduling: the step launched last, read back only after the next is launched.
         overlap = config.disable_overlap_schedule is False or (
             config.disable_overlap_schedule is None and self.device.type == "cuda")
-        self.overlap = overlap and tp is None  # under TP rank 0's tokens are broadcast: a sync anyway
+        self.speculator = None
+        if config.speculative_algorithm is not None:
+            self.speculator = NgramSpeculator(config.speculative_num_draft_tokens,
+                                              config.speculative_ngram_min_match_window_size,
+                                              config.speculative_ngram_max_match_window_size,
+                                              config.speculative_max_batch_tokens)
+        # Under TP rank 0's tokens are broadcast: a sync anyway. A draft is made from the
+        # request's tokens, which must all be read first.
+        self.overlap = overlap and tp is None and self.speculator is None
         self._inflight: LaunchedStep | None = None
 
     # ---- intake -----------------------------------------------------------------------------
@@ -377,18 +393,23 @@ class Scheduler:
             input_ids = torch.where(input_ids < 0, _token_tensor(prev.sample, self.device)[(-input_ids - 1).clamp(min=0)],
                                     input_ids)
         logits = self.runner.forward(batch.layout, input_ids, batch.positions, batch.logits_indices)
-        num_sampled = len(batch.sampled_reqs)
+        num_sampled, num_verify = len(batch.sampled_reqs), batch.num_verify_rows
         if batch.prompt_logprob_spans:
-            record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled:])
+            record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled + num_verify:])
         sample = self._sample(logits[:num_sampled], batch.sampled_reqs)
+        verified = []
+        if batch.verifies:  # reads the tokens back: speculative steps run without overlap
+            verified = self.speculator.verify(logits[num_sampled:num_sampled + num_verify], list(batch.verifies),
+                                              self.sampler)
         self._observe_step(batch, time.perf_counter() - t0)
         positions = []
+        verifying = {id(r) for r, _ in batch.verifies}
         for req, n, sampled, prefill in zip(batch.reqs, batch.extend_lens, batch.sampled, batch.prefill):
-            if not req.finished:  # (failed while sampling)
+            if not req.finished and id(req) not in verifying:  # (failed while sampling)
                 self._advance(req, n, prefill, sampled, len(positions))
             if sampled:
                 positions.append(req.seq_len - 1)
-        return LaunchedStep(batch, sample, positions)
+        return LaunchedStep(batch, sample, positions, verified)
 
     def _advance(self, req: Req, n: int, prefill: bool, sampled: bool, k: int) -> None:
         """`req` has run `n` more tokens; if it was sampled, its token is the k-th of the step
@@ -484,8 +505,11 @@ class Scheduler:
         run_decode = bool(decodes) and (self.config.mixed_batch or not run_prefill)
         decode_locs = None
         decodes_waiting = decodes
+        verifies = []
         if run_decode:
             decodes, decode_locs = self._schedule_decode()
+            if self.speculator is not None:
+                decodes, decode_locs, verifies = self._schedule_drafts(decodes, decode_locs)
         else:
             decodes = []
         # Decodes left out of this step (no mixed batches) wait on it all the same.
@@ -493,9 +517,9 @@ class Scheduler:
                                             self._prefill_backlog() if self.prefill_budget.enabled else 0)
         prefills = self._schedule_prefill(budget) if run_prefill else []
         self._prefill_streak = self._prefill_streak + 1 if prefills else 0
-        if not decodes and not prefills:
+        if not decodes and not prefills and not verifies:
             return None
-        return build_batch(decodes, decode_locs, prefills, self.device)
+        return build_batch(decodes, decode_locs, prefills, self.device, verifies)
 
     def _prefill_backlog(self) -> int:
         """Prompt tokens still to prefill: of the running requests, and of the first
@@ -520,6 +544,24 @@ class Scheduler:
         if locs is None:  # cannot happen after the check above
             raise RuntimeError(f"no KV slots for {len(decodes)} decoding requests after retraction")
         return decodes, locs
+
+    def _schedule_drafts(self, decodes: list[Req], locs: torch.Tensor | None
+                         ) -> tuple[list[Req], torch.Tensor | None, list[tuple[Req, list[int], torch.Tensor]]]:
+        """Split the decodes into those that run a draft this step (each with the KV slots of
+        its draft + 1 tokens; one that cannot get them decodes plainly) and the rest."""
+        drafts = self.speculator.drafts(decodes)
+        if not any(drafts):
+            return decodes, locs, []
+        plain, plain_rows, verifies = [], [], []
+        for i, (req, draft) in enumerate(zip(decodes, drafts)):
+            loc = self.kv.reserve(req, len(draft) + 1) if draft else None
+            if loc is None:
+                plain.append(req)
+                plain_rows.append(i)
+            else:
+                verifies.append((req, draft, loc))
+        plain_locs = locs[host_tensor(plain_rows, torch.int64, self.device)] if plain else None
+        return plain, plain_locs, verifies
 
     def _retract_one(self) -> None:
         # Fewest generated tokens first (least work lost), then the longest (most memory back).
@@ -623,7 +665,9 @@ class Scheduler:
         batch = step.batch
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
-        self.stats.decode_tokens += sum(n for n, p in zip(batch.extend_lens, batch.prefill) if not p)
+        # Generated tokens: a verified request's count when its verification is taken (below),
+        # not the rows it ran (its rejected drafts are not output).
+        self.stats.decode_tokens += sum(n for n, p in zip(batch.extend_lens, batch.prefill) if not p) - batch.num_verify_rows
         for k, req in enumerate(batch.sampled_reqs):
             if req.finished:  # failed while sampling, aborted, or ended by an earlier token
                 continue
@@ -632,6 +676,48 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - e.g. its stop-string check: only this request fails
                 logger.exception("processing the output of %s failed", req.rid)
                 self._fail(req, f"internal error while processing its output: {type(e).__name__}: {e}")
+        for (req, _), v in zip(batch.verifies, step.verified):
+            if req.finished:
+                continue
+            try:
+                self._accept_verified(req, v)
+            except Exception as e:  # noqa: BLE001 - as for a sampled request
+                logger.exception("processing the output of %s failed", req.rid)
+                self._fail(req, f"internal error while processing its output: {type(e).__name__}: {e}")
+
+    def _accept_verified(self, req: Req, v: Verified) -> None:
+        """A verification step's tokens for `req`: the KV of its last token and its accepted
+        drafts is kept (the rejected drafts' pages go back to the pool), then each new token is
+        taken as a decode's would be, up to the first that ends the request."""
+        st = req.spec
+        st.verify_steps += 1
+        st.drafted_tokens += v.drafted
+        st.accepted_tokens += v.accepted
+        st.policy.record(v.drafted, v.accepted)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_drafted_tokens += v.drafted
+        self.stats.spec_accepted_tokens += v.accepted
+        req.cached_len += v.accepted + 1
+        release_rejected(req, self.kv.table.table, self.kv.allocator)
+        start = req.seq_len
+        for token, lp in zip(v.tokens, v.logprobs):
+            req.token_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            self._check_finished(req, token, req.seq_len)
+            if req.finished:
+                break
+        new = req.token_ids[start:]
+        self.stats.decode_tokens += len(new)
+        req.cached_len = min(req.cached_len, req.seq_len - 1 if not req.finished else req.seq_len)
+        self.sampler.state.out_len[req.row] += len(new)
+        lps = [lp for lp in v.logprobs[:len(new)] if lp is not None]
+        self._pending_outputs.append(self._output(req, new, lps))
+        if req.finished:
+            self.running.remove(req)
+            self.kv.release(req)
+            del self.reqs[req.rid]
+            self.stats.finished += 1
 
     def _accept(self, req: Req, pos: int, token: int, lp: TokenLogprobs | None) -> None:
         """The token sampled for position `pos` of `req` (its placeholder until now)."""
@@ -677,7 +763,8 @@ class Scheduler:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
             completion_tokens=req.output_len if output_len is None else output_len, cached_tokens=req.prefix_hit_len or 0,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_lps, spec_verify_ct=req.spec.verify_steps if req.spec is not None else 0,
+            spec_accepted_tokens=req.spec.accepted_tokens if req.spec is not None else 0,
         )
 
     # ---- health and admin -------------------------------------------------------------------------
@@ -711,6 +798,10 @@ class Scheduler:
             "cached_prompt_tokens": s.cached_prompt_tokens, "retractions": s.retractions,
             "finished": s.finished, "aborted": s.aborted,
             "failed_requests": s.failed_requests, "failed_steps": s.failed_steps,
+            "spec_verify_steps": s.spec_verify_steps, "spec_drafted_tokens": s.spec_drafted_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_accept_length": ((s.spec_accepted_tokens + s.spec_verify_steps) / s.spec_verify_steps
+                                   if s.spec_verify_steps else 0.0),
         }
 
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # SGLang's default buckets, so its Grafana dashboard's quantiles read the same.
 _TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 _E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
 _ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
                 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
 
@@ -58,6 +59,16 @@ class Metrics:
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
         self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
         self._last_gen: tuple[float, float] | None = None
+        # Speculative decoding: tokens per verification step, of the whole run (SGLang's gauge)
+        # and per finished request that verified.
+        self.spec_accept_length = gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.")
+        self.spec_accept_length_per_req = hist(
+            "sglang:spec_accept_length_per_request", "Histogram of each finished request's tokens per verification "
+            "step in speculative decoding (not in SGLang).", _ACCEPT_BUCKETS)
+        self.spec_verify_steps = counter("sglang:spec_verify_steps_total", "Verification steps of requests' drafts (not in SGLang).")
+        self.spec_draft_tokens = counter("sglang:spec_draft_tokens_total", "Draft tokens verified (not in SGLang).")
+        self.spec_accepted_tokens = counter("sglang:spec_accepted_tokens_total", "Draft tokens accepted (not in SGLang).")
+        self._last_spec = (0, 0, 0)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(**self._labels, reason=reason).inc()
@@ -78,6 +89,15 @@ class Metrics:
         if self._last_gen is not None and now > self._last_gen[0]:
             self.gen_throughput.set(max(0.0, generated - self._last_gen[1]) / (now - self._last_gen[0]))
         self._last_gen = (now, generated)
+        spec = (stats.get("spec_verify_steps", 0), stats.get("spec_drafted_tokens", 0), stats.get("spec_accepted_tokens", 0))
+        if spec[0]:
+            self.spec_accept_length.set(1 + spec[2] / spec[0])
+        # The scheduler's totals are cumulative: the counters advance by what is new since.
+        for c, new, old in zip((self.spec_verify_steps, self.spec_draft_tokens, self.spec_accepted_tokens),
+                               spec, self._last_spec):
+            if new > old:
+                c.inc(new - old)
+        self._last_spec = spec
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

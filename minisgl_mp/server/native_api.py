@@ -215,6 +215,9 @@ def native_body(req: NativeRequest, choice: Choice, r: ChoiceResult, manager: To
         "cached_tokens": last.cached_tokens if last else 0,
         "e2e_latency": time.perf_counter() - req.created,
     }
+    if manager.config.engine.speculative_algorithm is not None:  # SGLang's keys
+        meta["spec_verify_ct"] = last.spec_verify_ct if last else 0
+        meta["spec_accept_length"] = last.spec_accept_length if last else 0.0
     lp = req.logprobs.get(choice.index)
     if lp is not None:
         _add_logprobs(meta, lp, choice, r, manager)

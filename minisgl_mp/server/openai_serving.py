@@ -59,8 +59,14 @@ def usage(req: OpenAIRequest, results: dict[int, ChoiceResult]) -> dict[str, Any
         prompt[c.prompt_index] = last.prompt_tokens
         cached[c.prompt_index] = min(cached.get(c.prompt_index, last.cached_tokens), last.cached_tokens)
     total_prompt = sum(prompt.values())
-    return {"prompt_tokens": total_prompt, "completion_tokens": completion, "total_tokens": total_prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    out = {"prompt_tokens": total_prompt, "completion_tokens": completion, "total_tokens": total_prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    lasts = [results[c.index].last for c in req.choices]
+    verify_ct = sum(last.spec_verify_ct for last in lasts if last is not None)
+    if verify_ct:  # speculative decoding: tokens per verification step over the choices
+        out["spec_verify_ct"] = verify_ct
+        out["spec_accept_length"] = 1 + sum(last.spec_accepted_tokens for last in lasts if last is not None) / verify_ct
+    return out
 
 
 def _completion_logprobs(texts: TokenTexts, ids: list[int], entries: list[LogprobEntry], offset: int,

@@ -256,6 +256,8 @@ class TokenizerManager:
                 m.aborted.inc()
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
+            if out.spec_verify_ct:
+                m.spec_accept_length_per_req.observe(out.spec_accept_length)
 
     async def abort(self, rid: str) -> bool:
         """Abort a request by id; False if no such request is in flight."""

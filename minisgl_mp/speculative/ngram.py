@@ -1,0 +1,93 @@
+"""N-gram drafts: the tokens that followed the last earlier occurrence of a request's most
+recent n tokens, in its own prompt and output (llama.cpp's lookup decoding, SGLang's and
+vLLM's `ngram`).
+
+Work people give small models copies: a rewrite, a summary quoting its source, an edit of
+pasted code, an answer from a document. There the text after an earlier occurrence of the
+last few tokens is often the text that comes next, and checking K such tokens costs about one
+decode step, which on a CPU is bound by reading the weights, not by the tokens it runs.
+
+`NgramIndex` keeps, per n in [min_n, max_n], where each n-gram of the sequence last ended, and
+is extended token by token as the request grows: a draft is a dictionary look-up per n, never a
+scan of the text. `DraftPolicy` keeps a request from drafting while its drafts keep failing, so
+text with nothing to copy is not slowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of a token sequence last ended, updated as the
+    sequence grows. Only the latest occurrence is kept: recent text predicts best."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min ({min_n}) <= max ({max_n})")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # n-gram -> the index just past its latest occurrence, excluding the sequence's own end
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._pending: list[tuple[tuple[int, ...], int]] = []  # the suffix n-grams, indexed once passed
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            # The n-grams ending at the old end get a following token now: index them.
+            for gram, end in self._pending:
+                self._ends[gram] = end
+            self.tokens.append(t)
+            end = len(self.tokens)
+            self._pending = [(tuple(self.tokens[end - n:]), end) for n in range(self.min_n, self.max_n + 1)
+                             if end >= n]
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens past `length` (a request retracted, rejected or restarted): rebuilt
+        from the kept tokens, as stale positions would point past the end."""
+        if length >= len(self.tokens):
+            return
+        kept = self.tokens[:length]
+        self.tokens, self._ends, self._pending = [], {}, []
+        self.extend(kept)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        n-gram that occurred before; [] when none did."""
+        if k <= 0:
+            return []
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            start = self._ends.get(tuple(self.tokens[end - n:]))
+            if start is not None:
+                return self.tokens[start:start + k]
+        return []
+
+
+@dataclass
+class DraftPolicy:
+    """When a request drafts. After `patience` verifications in a row with nothing accepted it
+    stops for a while, twice as long each time it fails again (up to `max_pause` steps); an
+    accepted draft resets both."""
+
+    patience: int = 2
+    max_pause: int = 64
+    failures: int = 0
+    pause: int = 0  # steps left without drafting
+    backoff: int = 4
+
+    def wants_draft(self) -> bool:
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted > 0:
+            self.failures, self.backoff = 0, 4
+            return
+        self.failures += 1
+        if self.failures >= self.patience:
+            self.pause, self.failures = self.backoff, 0
+            self.backoff = min(self.backoff * 2, self.max_pause)
