@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from minisgl_mp.speculative.ngram import DraftPolicy, NgramIndex
+from minisgl_mp.speculative.ngram import DraftPolicy, NgramIndex, SharedNgrams
 
 
 def _brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -51,7 +51,7 @@ def test_bad_sizes_are_refused() -> None:
 
 
 def test_a_request_whose_drafts_fail_pauses_longer_each_time_and_resumes() -> None:
-    p = DraftPolicy(patience=2)
+    p = DraftPolicy(4, patience=2)
     paused = []
     for _ in range(3):  # three rounds of two failed verifications
         p.record(4, 0)
@@ -65,3 +65,28 @@ def test_a_request_whose_drafts_fail_pauses_longer_each_time_and_resumes() -> No
     p.record(4, 0)
     p.record(4, 0)
     assert sum(1 for _ in iter(lambda: p.wants_draft(), True)) == 4
+
+
+def test_the_draft_length_follows_acceptance() -> None:
+    p = DraftPolicy(6)
+    assert p.length == 6
+    p.record(6, 2)  # partly accepted: one fewer
+    p.record(5, 1)
+    assert p.length == 4
+    p.record(4, 4)  # all accepted: two more, up to the most
+    assert p.length == 6
+    p.record(6, 6)
+    assert p.length == 6
+    for _ in range(10):
+        p.record(p.length, 0)
+    assert p.length == 1
+
+
+def test_finished_text_drafts_for_later_requests_and_old_text_is_forgotten() -> None:
+    shared = SharedNgrams(n=3, capacity=8)
+    shared.add([1, 2, 3, 4, 5, 6, 7])
+    assert shared.draft([9, 9, 2, 3, 4], 2) == [5, 6]  # another request's text goes on
+    assert shared.draft([3, 4], 2) == []  # shorter than n
+    shared.add(list(range(100, 110)))  # 7 new n-grams: the oldest ones go
+    assert len(shared) == 8
+    assert shared.draft([1, 2, 3], 2) == [] and shared.draft([101, 102, 103], 3) == [104, 105, 106]

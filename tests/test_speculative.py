@@ -153,6 +153,18 @@ def test_greedy_answers_are_unchanged_and_copying_is_drafted(plain: LLM, spec: L
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_a_question_asked_again_drafts_from_the_first_answer(plain: LLM, spec: LLM) -> None:
+    prompt = chat_ids(plain, user("Describe a walk through a forest in autumn."))
+    params = SamplingParams(max_tokens=48, temperature=0)
+    (want,) = plain.generate(prompt, params)
+    first, second = spec.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+    same([first, second], [want, want])
+    # The answer copies nothing from its prompt; the second time it copies the first answer.
+    assert second["usage"]["spec_accept_length"] >= 3.0, (first["usage"], second["usage"])
+    assert second["usage"]["spec_verify_ct"] < first["usage"].get("spec_verify_ct", 0) + 48
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_seeded_sampling_is_unchanged(plain: LLM, spec: LLM, prompts: list[list[int]]) -> None:
     params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=s) for s in range(4)]
     batch = [prompts[0]] * 2 + prompts[1:3]

@@ -714,10 +714,7 @@ class Scheduler:
         lps = [lp for lp in v.logprobs[:len(new)] if lp is not None]
         self._pending_outputs.append(self._output(req, new, lps))
         if req.finished:
-            self.running.remove(req)
-            self.kv.release(req)
-            del self.reqs[req.rid]
-            self.stats.finished += 1
+            self._finished(req)
 
     def _accept(self, req: Req, pos: int, token: int, lp: TokenLogprobs | None) -> None:
         """The token sampled for position `pos` of `req` (its placeholder until now)."""
@@ -735,10 +732,16 @@ class Scheduler:
         self._pending_outputs.append(self._output(req, [token], [lp] if lp is not None else [],
                                                   output_len=pos + 1 - req.prompt_len))
         if req.finished:
-            self.running.remove(req)
-            self.kv.release(req)
-            del self.reqs[req.rid]
-            self.stats.finished += 1
+            self._finished(req)
+
+    def _finished(self, req: Req) -> None:
+        """`req` ended by a stop or a limit: its KV goes to the prefix cache (or back)."""
+        self.running.remove(req)
+        self.kv.release(req)
+        del self.reqs[req.rid]
+        self.stats.finished += 1
+        if self.speculator is not None:
+            self.speculator.finished(req)
 
     def _check_finished(self, req: Req, token: int, seq_len: int) -> None:
         """Whether `token`, ending the first `seq_len` tokens of `req`, ends it."""

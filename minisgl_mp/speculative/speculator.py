@@ -29,7 +29,7 @@ import torch
 from minisgl_mp.kvcache.allocator import PageAllocator
 from minisgl_mp.scheduler.req import Req, TokenLogprobs
 from minisgl_mp.scheduler.sampler import Sampler, argmax_rows, counter_uniform, inverse_cdf
-from minisgl_mp.speculative.ngram import DraftPolicy, NgramIndex
+from minisgl_mp.speculative.ngram import DraftPolicy, NgramIndex, SharedNgrams
 from minisgl_mp.utils.device import host_tensor
 
 ALGORITHMS = ("NGRAM",)
@@ -72,10 +72,11 @@ class NgramSpeculator:
         NgramIndex(min_window, max_window)  # validates the window sizes
         self.k, self.min_window, self.max_window = num_draft_tokens, min_window, max_window
         self.max_batch_tokens = max_batch_tokens
+        self.shared = SharedNgrams(min(max(min_window, 4), max_window))
 
     def state(self, req: Req) -> SpecState:
         if req.spec is None:
-            req.spec = SpecState(NgramIndex(self.min_window, self.max_window), DraftPolicy())
+            req.spec = SpecState(NgramIndex(self.min_window, self.max_window), DraftPolicy(self.k))
         return req.spec
 
     @staticmethod
@@ -104,8 +105,17 @@ class NgramSpeculator:
             idx.extend(req.token_ids[len(idx.tokens):])
             # The last draft token must leave room for the bonus token inside max_seq_len.
             room = req.max_seq_len - req.seq_len - 1
-            out.append(idx.draft(min(self.k, room)))
+            k = min(st.policy.length, room)
+            # Its own text first, unless another request's matches a longer suffix.
+            n, draft = idx.match(k)
+            if n < self.shared.n:
+                draft = self.shared.draft(idx.tokens, k) or draft
+            out.append(draft)
         return out
+
+    def finished(self, req: Req) -> None:
+        """A request ended normally: its text can draft for later requests."""
+        self.shared.add(req.token_ids)
 
     def verify(self, logits: torch.Tensor, entries: list[tuple[Req, list[int]]], sampler: Sampler) -> list[Verified]:
         """logits: [sum(len(draft) + 1), V], each entry's rows in order."""
