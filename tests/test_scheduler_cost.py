@@ -14,7 +14,7 @@ import pytest
 
 from hf_reference import torch_threads
 from minisgl_mp import LLM, SamplingParams
-from minisgl_mp.scheduler import scheduler as scheduler_module
+from minisgl_mp.scheduler import admission as scheduler_module
 from minisgl_mp.scheduler.prefill_budget import MixedPrefillBudget
 
 CPU = {"device": "cpu", "dtype": "float32"}
