@@ -89,6 +89,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or GGUF file (default: SmolLM2-135M-Instruct from `make model`)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--num-draft-tokens", default="4", help="draft lengths to run, comma-separated (default 4)")
+    p.add_argument("--max-batch-tokens", default=None,
+                   help="--speculative-max-batch-tokens values to run, comma-separated (default: the engine's)")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per workload (default 8)")
     p.add_argument("--concurrency", type=int, default=32, help="copy-batch: requests at once (default 32)")
     p.add_argument("--max-tokens", type=int, default=160, help="output limit per request (default 160)")
@@ -159,8 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     engine_kwargs = {"device": "cpu", "dtype": args.dtype, "quantization": args.quantization,
                      "max_running_requests": max(args.concurrency, 16), "num_pages": 32768}
-    configs = [("plain", {})] + [(f"ngram-k{k}", {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k})
-                                 for k in drafts]
+    caps = [int(c) for c in args.max_batch_tokens.split(",")] if args.max_batch_tokens else [None]
+    configs = [("plain", {})]
+    for k in drafts:
+        for cap in caps:
+            extra = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k}
+            if cap is not None:
+                extra["speculative_max_batch_tokens"] = cap
+            configs.append((f"ngram-k{k}" + (f"-cap{cap}" if cap is not None else ""), extra))
     results: dict[str, dict[str, Any]] = {w: {} for w in workloads}
     prompts: dict[str, list[list[int]]] = {}
     for name, extra in configs:
