@@ -105,8 +105,6 @@ class EngineConfig:
         check(self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens must be >= 1")
         check(1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size,
               "speculative n-gram window sizes must satisfy 1 <= min <= max")
-        check(self.speculative_algorithm is None or self.tp_size == 1,
-              "speculative decoding does not run under tensor parallelism yet (--tp-size 1)")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
 
     def prefill_chunk(self, device_type: str) -> int:

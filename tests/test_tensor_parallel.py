@@ -73,6 +73,21 @@ def test_tp2_gives_the_same_greedy_tokens_and_sigterm_stops_every_rank(tiny_mode
         srv.stop()
 
 
+def test_tp2_with_ngram_speculation_keeps_the_greedy_tokens(tiny_model_dir: Path) -> None:
+    # Prompts that repeat themselves, so the n-gram drafts have something to propose.
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 7900) for _ in range(6)] * 4 for _ in range(3)]
+    srv = launch_server(tiny_model_dir, *TP2, "--num-pages", "2048", "--speculative-algorithm", "NGRAM", http=False)
+    try:
+        with Client(srv.zmq, timeout=120) as c:
+            outs = [c.generate(input_ids=p, sampling_params={"max_tokens": 16, **GREEDY}) for p in prompts]
+            wait_idle_and_whole(c)
+        assert sum(o["usage"].get("spec_verify_ct", 0) for o in outs) > 0, [o["usage"] for o in outs]
+        _check_all_teacher_forced(tiny_model_dir, prompts, [o["token_ids"] for o in outs])
+    finally:
+        srv.stop()
+
+
 def test_tp2_with_a_replicated_kv_head_chunks_retracts_aborts_and_dies_whole(make_checkpoint: MakeCheckpoint) -> None:
     # One KV head for two ranks: each rank holds a copy of it beside its own two query heads.
     ckpt = make_checkpoint({"num_key_value_heads": 1})

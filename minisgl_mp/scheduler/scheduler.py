@@ -307,6 +307,8 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
         if batch.verifies:  # reads the tokens back: speculative steps run without overlap
             verified = self.speculator.verify(logits[num_sampled:num_sampled + num_verify], list(batch.verifies),
                                               self.sampler)
+            if self.tp is not None:
+                verified = self._rank0_verified(batch, verified)
         self._observe_step(batch, time.perf_counter() - t0)
         positions = []
         verifying = {id(r) for r, _ in batch.verifies}
@@ -316,6 +318,22 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
             if sampled:
                 positions.append(req.seq_len - 1)
         return LaunchedStep(batch, sample, positions, verified)
+
+    def _rank0_verified(self, batch: ScheduledBatch, verified: list[Verified]) -> list[Verified]:
+        """Rank 0's verification on every rank, as for sampled tokens: the ranks drafted the same
+        tokens (from the same histories), and must keep the same ones."""
+        flat = []
+        for (_, draft), v in zip(batch.verifies, verified):
+            flat += [v.accepted, *v.tokens, *[-1] * (len(draft) + 1 - len(v.tokens))]
+        flat = self.tp.broadcast_ints(flat)
+        out, at = [], 0
+        for (_, draft), v in zip(batch.verifies, verified):
+            accepted = flat[at]
+            tokens = flat[at + 1:at + 2 + accepted]
+            at += len(draft) + 2
+            lps = v.logprobs if accepted == v.accepted else [None] * len(tokens)
+            out.append(Verified(tokens, lps, v.drafted, accepted))
+        return out
 
     def _advance(self, req: Req, n: int, prefill: bool, sampled: bool, k: int) -> None:
         """`req` has run `n` more tokens; if it was sampled, its token is the k-th of the step

@@ -49,6 +49,8 @@ def output_reply(rid: str, out: TextOut, text: str, token_ids: list[int], logpro
         reply.update(finish_reason=out.finish_reason, matched_stop=out.matched_stop,
                      usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                             "cached_tokens": out.cached_tokens})
+        if out.spec_verify_ct:
+            reply["usage"].update(spec_verify_ct=out.spec_verify_ct, spec_accept_length=out.spec_accept_length)
     return reply
 
 
