@@ -25,7 +25,7 @@ def manager_with_requests(page_size: int, prompt_lens: list[int], num_pages: int
         req = Req(f"r{i}", list(range(100 * i, 100 * i + n)), SamplingParams(), 256, frozenset())
         assert kv.admit(req)
         assert kv.reserve(req, n) is not None  # the prompt's slots; then it is "computed"
-        req.cached_len = n
+        req.computed_len = n
         reqs.append(req)
     return kv, reqs
 
@@ -40,8 +40,8 @@ def test_batched_decode_reservation_matches_one_by_one(page_size: int) -> None:
         batched = b.reserve_decodes(reqs_b)
         assert batched is not None and torch.equal(batched, one_by_one), f"step {step}"
         for ra, rb in zip(reqs_a, reqs_b):
-            ra.cached_len += 1
-            rb.cached_len += 1
+            ra.computed_len += 1
+            rb.computed_len += 1
             assert ra.alloc_len == rb.alloc_len
         assert torch.equal(a.table.table, b.table.table)
         assert a.allocator.num_free_pages == b.allocator.num_free_pages

@@ -50,12 +50,12 @@ def insert(cache: RadixPrefixCache, *ids: int, at: tuple[int, ...] | None = None
 def test_worked_example(cache: RadixPrefixCache, ps: int) -> None:
     insert(cache, 5, 6, 7, at=(50, 51, 52))
     second = insert(cache, 5, 6, 8, 9, at=(50, 51, 60, 61))
-    assert second.cached_len == 2 * ps
+    assert second.matched_len == 2 * ps
     assert torch.equal(second.handle.get_matched_indices(), locs(ps, 50, 51, 60, 61))
 
     match = cache.match_prefix(pages(ps, 5, 6, 8, 4))
     cache.check_integrity()
-    assert match.handle.cached_len == 3 * ps
+    assert match.handle.prefix_len == 3 * ps
     assert torch.equal(match.handle.get_matched_indices(), locs(ps, 50, 51, 60))
     assert cache.size_info.total_tokens == 5 * ps  # the split added and removed nothing
 
@@ -71,10 +71,10 @@ def test_worked_example(cache: RadixPrefixCache, ps: int) -> None:
 def test_match_rounds_down_to_whole_pages(cache: RadixPrefixCache, ps: int) -> None:
     insert(cache, 1, 2, 3)
     query = torch.cat([pages(ps, 1, 2, 3), pages(ps, 9)[: ps - 1]])
-    assert cache.match_prefix(query).handle.cached_len == 3 * ps
+    assert cache.match_prefix(query).handle.prefix_len == 3 * ps
     if ps > 1:
         # The third page is cached, but only part of it is asked for: it cannot be used.
-        assert cache.match_prefix(pages(ps, 1, 2, 3)[: 3 * ps - 1]).handle.cached_len == 2 * ps
+        assert cache.match_prefix(pages(ps, 1, 2, 3)[: 3 * ps - 1]).handle.prefix_len == 2 * ps
 
 
 @pytest.mark.parametrize("ps", [4, 16])  # a page of one token cannot differ partway
@@ -85,7 +85,7 @@ def test_match_partway_into_a_page_stops_at_the_page_before(ps: int) -> None:
     query[2 * ps + ps // 2] = -1  # differs in the middle of the third page
     match = cache.match_prefix(query)
     cache.check_integrity()
-    assert match.handle.cached_len == 2 * ps
+    assert match.handle.prefix_len == 2 * ps
     assert torch.equal(match.handle.get_matched_indices(), locs(ps, 1, 2))
 
 
@@ -93,11 +93,11 @@ def test_insert_caches_whole_pages_only() -> None:
     cache = RadixPrefixCache(page_size=16, device="cpu")
     result = cache.insert_prefix(torch.arange(30), torch.arange(100, 130))
     cache.check_integrity()
-    assert result.cached_len == 0
-    assert result.handle.cached_len == 16
+    assert result.matched_len == 0
+    assert result.handle.prefix_len == 16
     assert torch.equal(result.handle.get_matched_indices(), torch.arange(100, 116))
     assert cache.size_info == SizeInfo(16, 0)
-    assert cache.match_prefix(torch.arange(30)).handle.cached_len == 16
+    assert cache.match_prefix(torch.arange(30)).handle.prefix_len == 16
 
 
 def test_insert_reports_what_was_cached_and_keeps_the_trees_locations(
@@ -106,7 +106,7 @@ def test_insert_reports_what_was_cached_and_keeps_the_trees_locations(
     insert(cache, 1, 2)
     # A second request computed the same prefix at its own locations, plus one new page.
     result = insert(cache, 1, 2, 3, at=(71, 72, 73))
-    assert result.cached_len == 2 * ps  # so the caller frees locs 71, 72 itself
+    assert result.matched_len == 2 * ps  # so the caller frees locs 71, 72 itself
     assert torch.equal(result.handle.get_matched_indices(), locs(ps, 1, 2, 73))
     assert cache.size_info.total_tokens == 3 * ps
 
@@ -114,7 +114,7 @@ def test_insert_reports_what_was_cached_and_keeps_the_trees_locations(
 def test_insert_of_a_fully_cached_prefix_adds_nothing(cache: RadixPrefixCache, ps: int) -> None:
     insert(cache, 1, 2, 3)
     result = insert(cache, 1, 2, at=(81, 82))
-    assert result.cached_len == result.handle.cached_len == 2 * ps
+    assert result.matched_len == result.handle.prefix_len == 2 * ps
     assert torch.equal(result.handle.get_matched_indices(), locs(ps, 1, 2))
     assert cache.size_info.total_tokens == 3 * ps
 
@@ -138,10 +138,10 @@ def test_empty_and_sub_page_inputs(cache: RadixPrefixCache, ps: int) -> None:
     empty = torch.empty(0, dtype=torch.int64)
     for ids in (empty, pages(ps, 1)[: ps - 1]):
         match = cache.match_prefix(ids)
-        assert match.handle.cached_len == 0
+        assert match.handle.prefix_len == 0
         assert match.handle.get_matched_indices().tolist() == []
         result = cache.insert_prefix(ids, torch.arange(len(ids)))
-        assert (result.cached_len, result.handle.cached_len) == (0, 0)
+        assert (result.matched_len, result.handle.prefix_len) == (0, 0)
         cache.lock(result.handle)
         cache.unlock(result.handle)
     cache.check_integrity()
@@ -179,7 +179,7 @@ def test_lock_counts_references(cache: RadixPrefixCache, ps: int) -> None:
 def test_empty_handle_lock_is_a_no_op(cache: RadixPrefixCache) -> None:
     insert(cache, 1)
     handle = cache.empty_handle()
-    assert handle.cached_len == 0 and handle.get_matched_indices().tolist() == []
+    assert handle.prefix_len == 0 and handle.get_matched_indices().tolist() == []
     cache.lock(handle)
     cache.unlock(handle)
     cache.unlock(handle)
@@ -204,7 +204,7 @@ def test_evict_frees_whole_nodes_and_parents_follow(cache: RadixPrefixCache, ps:
     assert freed.tolist() == locs(ps, 1, 2).tolist()
     cache.check_integrity()
     assert cache.size_info == SizeInfo(0, 0)
-    assert cache.match_prefix(pages(ps, 1, 2)).handle.cached_len == 0
+    assert cache.match_prefix(pages(ps, 1, 2)).handle.prefix_len == 0
 
 
 def test_evict_never_frees_protected_tokens(cache: RadixPrefixCache, ps: int) -> None:
@@ -247,7 +247,7 @@ def test_reset_returns_everything_and_refuses_while_locked(
     freed = cache.reset()
     assert sorted(freed.tolist()) == sorted(locs(ps, 1, 2, 3).tolist())
     assert cache.size_info == SizeInfo(0, 0)
-    assert cache.match_prefix(pages(ps, 1, 2)).handle.cached_len == 0
+    assert cache.match_prefix(pages(ps, 1, 2)).handle.prefix_len == 0
     with pytest.raises(ValueError, match="stale"):
         cache.lock(handle)
     cache.lock(cache.empty_handle())  # handles to the root survive a reset
@@ -292,9 +292,9 @@ def _first_leaf(cache: RadixPrefixCache):
 def test_naive_cache_keeps_nothing() -> None:
     cache = NaiveCache(page_size=4, device="cpu")
     result = cache.insert_prefix(torch.arange(8), torch.arange(8))
-    assert (result.cached_len, result.handle.cached_len) == (0, 0)
+    assert (result.matched_len, result.handle.prefix_len) == (0, 0)
     match = cache.match_prefix(torch.arange(8))
-    assert match.handle.cached_len == 0 and match.handle.get_matched_indices().tolist() == []
+    assert match.handle.prefix_len == 0 and match.handle.get_matched_indices().tolist() == []
     cache.lock(match.handle)
     cache.unlock(match.handle)
     assert cache.size_info == SizeInfo(0, 0)

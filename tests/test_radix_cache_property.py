@@ -132,12 +132,12 @@ def run_random_program(cache: BasePrefixCache, model: Model, program: list[Step]
             indices = model.locations(ids, prefix) + ledger.alloc(len(ids) - prefix)
             input_ids = torch.tensor(ids, dtype=torch.int64)
             result = cache.insert_prefix(input_ids, torch.tensor(indices, dtype=torch.int64))
-            assert result.cached_len == model.match_len(ids)
+            assert result.matched_len == model.match_len(ids)
             model.insert(ids, indices)
-            kept = result.handle.cached_len
+            kept = result.handle.prefix_len
             assert kept == model.match_len(ids)
-            ledger.release(indices[prefix : result.cached_len], ledger.caller)
-            ledger.to_tree(indices[max(prefix, result.cached_len) : kept])
+            ledger.release(indices[prefix : result.matched_len], ledger.caller)
+            ledger.to_tree(indices[max(prefix, result.matched_len) : kept])
             ledger.release(indices[max(prefix, kept) :], ledger.caller)
             assert result.handle.get_matched_indices().tolist() == model.locations(ids, kept)
         elif op == "match":
@@ -186,7 +186,7 @@ def check_agrees(
     for handle, ids, expected in locked:
         # A locked prefix is never evicted: its locations stay put.
         assert handle.get_matched_indices().tolist() == expected
-        held.update(ids[:end] for end in range(ps, handle.cached_len + 1, ps))
+        held.update(ids[:end] for end in range(ps, handle.prefix_len + 1, ps))
     info = cache.size_info
     assert info.protected_tokens == len(held) * ps
     assert info.evictable_tokens == model.num_tokens - len(held) * ps

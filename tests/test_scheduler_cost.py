@@ -89,7 +89,7 @@ def _steps_with_prefill(llm: LLM) -> list[tuple[int, int]]:
     inner = runner.forward
 
     def forward(layout, *args, **kwargs):  # noqa: ANN001, ANN202 - a pass-through
-        prefill = sum(n for n, c in zip(layout.extend_lens, layout.cached_lens) if n > 1 or c == 0)
+        prefill = sum(n for n, c in zip(layout.extend_lens, layout.prefix_lens) if n > 1 or c == 0)
         seen.append((len(layout.extend_lens), prefill))
         return inner(layout, *args, **kwargs)
 

@@ -28,14 +28,14 @@ class BatchLayout:
     """Where each request's tokens are. Tokens of the batch are laid out request by request.
 
     req_slots:   [B] rows of the request table (page table) that hold each request's KV slots
-    cached_lens: per request, tokens whose KV is already in the pool (the prefix)
+    prefix_lens: per request, tokens whose KV is already in the pool (the prefix)
     extend_lens: per request, new tokens in this forward (1 each for DECODE)
     out_loc:     [T] KV slot each new token writes, T = sum(extend_lens)
     """
 
     mode: ForwardMode
     req_slots: torch.Tensor
-    cached_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     out_loc: torch.Tensor
 
@@ -49,7 +49,7 @@ class BatchLayout:
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
-        return tuple(c + e for c, e in zip(self.cached_lens, self.extend_lens))
+        return tuple(c + e for c, e in zip(self.prefix_lens, self.extend_lens))
 
 
 class AttentionBackend(ABC):

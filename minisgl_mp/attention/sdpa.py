@@ -108,8 +108,8 @@ class SdpaBackend(AttentionBackend):
         req_slots = layout.req_slots.to(device)
         starts = token_starts(layout.extend_lens)
         seq_lens = layout.seq_lens
-        decode = [i for i in requests if layout.extend_lens[i] == 1 and layout.cached_lens[i] > 0]
-        extend = [i for i in requests if not (layout.extend_lens[i] == 1 and layout.cached_lens[i] > 0)]
+        decode = [i for i in requests if layout.extend_lens[i] == 1 and layout.prefix_lens[i] > 0]
+        extend = [i for i in requests if not (layout.extend_lens[i] == 1 and layout.prefix_lens[i] > 0)]
 
         chunks = []
         for group in self._decode_groups(sorted(decode, key=lambda i: seq_lens[i]), seq_lens):
@@ -127,7 +127,7 @@ class SdpaBackend(AttentionBackend):
 
         seqs = []
         for i in extend:
-            cached, n = layout.cached_lens[i], layout.extend_lens[i]
+            cached, n = layout.prefix_lens[i], layout.extend_lens[i]
             kv_index = table[:, : cached + n].index_select(0, req_slots[i : i + 1])[0] if cached > 0 else None
             seqs.append(ExtendSeq(starts[i], n, kv_index))
         return SdpaPlan(tuple(chunks), tuple(seqs))

@@ -98,7 +98,7 @@ class TritonBackend(AttentionBackend):
         return TritonMetadata(
             layout.out_loc, layout.req_slots, seq_lens, decode=False,
             q_start=ints(token_starts(layout.extend_lens)), q_len=ints(layout.extend_lens),
-            prefix_len=ints(layout.cached_lens), max_q_len=max(layout.extend_lens),
+            prefix_len=ints(layout.prefix_lens), max_q_len=max(layout.extend_lens),
         )
 
     def graph_metadata(self, inputs: DecodeGraphInputs, batch_size: int) -> TritonMetadata:

@@ -27,17 +27,17 @@ class SizeInfo(NamedTuple):
 
 
 class CacheHandle(ABC):
-    """Where a match or an insert ended: the first `cached_len` tokens of the request's input.
+    """Where a match or an insert ended: the first `prefix_len` tokens of the request's input.
 
     Lock a handle to keep its prefix alive; its KV locations stay valid while it is locked.
     An unlocked handle may go stale once `evict` or `reset` runs.
     """
 
-    cached_len: int
+    prefix_len: int
 
     @abstractmethod
     def get_matched_indices(self) -> torch.Tensor:
-        """KV locations of the first `cached_len` tokens, in order: int64, shape [cached_len]."""
+        """KV locations of the first `prefix_len` tokens, in order: int64, shape [prefix_len]."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +49,15 @@ class MatchResult:
 class InsertResult:
     """After `insert_prefix(input_ids, indices)`, ownership of `indices` splits in three:
 
-    indices[:cached_len]                   were already cached; the tree keeps its own copies, so
+    indices[:matched_len]                  were already cached; the tree keeps its own copies, so
                                            any of these the caller allocated itself are duplicates
                                            the caller frees.
-    indices[cached_len:handle.cached_len]  now belong to the cache; the caller must not free them.
-    indices[handle.cached_len:]            (the part past the last whole page, or everything for a
+    indices[matched_len:handle.prefix_len] now belong to the cache; the caller must not free them.
+    indices[handle.prefix_len:]            (the part past the last whole page, or everything for a
                                            backend that keeps nothing) stay the caller's to free.
     """
 
-    cached_len: int
+    matched_len: int
     handle: CacheHandle
 
 
@@ -99,7 +99,7 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def empty_handle(self) -> CacheHandle:
-        """A handle with cached_len 0; lock and unlock accept it and change nothing."""
+        """A handle with prefix_len 0; lock and unlock accept it and change nothing."""
 
     @property
     @abstractmethod

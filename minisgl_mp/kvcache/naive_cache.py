@@ -21,7 +21,7 @@ from minisgl_mp.kvcache.base import (
 @dataclass(frozen=True)
 class NaiveHandle(CacheHandle):
     device: torch.device
-    cached_len: int = 0
+    prefix_len: int = 0
 
     def get_matched_indices(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -42,7 +42,7 @@ class NaiveCache(BasePrefixCache):
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
         check_insert_args(input_ids, indices)
-        return InsertResult(cached_len=0, handle=self._empty)
+        return InsertResult(matched_len=0, handle=self._empty)
 
     def lock(self, handle: CacheHandle) -> None:
         _check_handle(handle)

@@ -49,7 +49,7 @@ class _Node:
 
 @dataclass(frozen=True)
 class RadixHandle(CacheHandle):
-    cached_len: int
+    prefix_len: int
     # NOTE: a split keeps the node object as the lower half, so a handle stays valid across splits.
     node: _Node = field(repr=False)
     root: _Node = field(repr=False)
@@ -112,7 +112,7 @@ class RadixPrefixCache(BasePrefixCache):
             self._evictable_tokens += len(leaf.key)
             self._add_evictable_leaf(leaf)
             node = leaf
-        return InsertResult(cached_len=cached, handle=RadixHandle(end, node, self._root))
+        return InsertResult(matched_len=cached, handle=RadixHandle(end, node, self._root))
 
     def lock(self, handle: CacheHandle) -> None:
         for node in self._path_to_root(handle):
@@ -127,7 +127,7 @@ class RadixPrefixCache(BasePrefixCache):
         # A child never has more references than its parent, so checking the first node suffices.
         if path and path[0].ref_count == 0:
             raise RuntimeError(
-                f"unlock of a handle that is not locked ({handle.cached_len} tokens); "
+                f"unlock of a handle that is not locked ({handle.prefix_len} tokens); "
                 "each unlock must follow a lock of the same handle"
             )
         for node in path:

@@ -133,7 +133,7 @@ class AdmissionMixin:
     def _future_tokens(self: Scheduler, req: Req) -> int:
         """Tokens `req` will still need beyond its current KV: the rest of its prompt plus an
         estimate of its output."""
-        rest = max(0, req.seq_len - max(req.cached_len, req.alloc_len))
+        rest = max(0, req.seq_len - max(req.computed_len, req.alloc_len))
         return rest + int(min(req.remaining_tokens, ESTIMATE_CAP_TOKENS) * self.new_token_ratio)
 
     def _schedule_prefill(self: Scheduler, budget: int) -> list[tuple[Req, int, torch.Tensor]]:
@@ -193,8 +193,8 @@ class AdmissionMixin:
                 break
             reserved += self._future_tokens(r)
             if r.prefix_hit_len is None:
-                r.prefix_hit_len = r.cached_len
-            self.stats.cached_prompt_tokens += r.cached_len
+                r.prefix_hit_len = r.computed_len
+            self.stats.cached_prompt_tokens += r.computed_len
             self.running.append(r)
             admitted.add(id(r))
             if in_flight is not None:

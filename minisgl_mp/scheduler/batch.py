@@ -62,8 +62,8 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
     lens = [1] * nd
     prefill = [False] * nd
     sampled = [True] * nd  # a decode always finishes its one-token extension
-    ids = [r.token_ids[r.cached_len] for r in decodes]
-    pos = [r.cached_len for r in decodes]
+    ids = [r.token_ids[r.computed_len] for r in decodes]
+    pos = [r.computed_len for r in decodes]
     logit_rows = list(range(nd))
     locs = [decode_locs] if nd else []
     spans, span_rows = [], []
@@ -75,13 +75,13 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
         lens.append(n)
         prefill.append(False)
         sampled.append(False)
-        ids += [req.token_ids[req.cached_len], *draft]
-        pos.extend(range(req.cached_len, req.cached_len + n))
+        ids += [req.token_ids[req.computed_len], *draft]
+        pos.extend(range(req.computed_len, req.computed_len + n))
         locs.append(out_loc)
         verify_rows.extend(range(offset, offset + n))
         offset += n
     for req, n, out_loc in prefills:
-        start = req.cached_len
+        start = req.computed_len
         reqs.append(req)
         lens.append(n)
         prefill.append(True)
@@ -102,7 +102,7 @@ def build_batch(decodes: list[Req], decode_locs: torch.Tensor | None,
     layout = BatchLayout(
         mode=ForwardMode.EXTEND if prefills or verifies else ForwardMode.DECODE,
         req_slots=host_tensor([r.row for r in reqs], torch.int64, device),
-        cached_lens=tuple(r.cached_len for r in reqs),
+        prefix_lens=tuple(r.computed_len for r in reqs),
         extend_lens=tuple(lens),
         out_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
     )

@@ -34,7 +34,7 @@ class CacheManager:
 
     def pages_for(self, req: Req, num_tokens: int) -> int:
         """New pages `req` needs so that its next `num_tokens` tokens have KV slots."""
-        short = req.cached_len + num_tokens - req.alloc_len
+        short = req.computed_len + num_tokens - req.alloc_len
         return max(0, -(-short // self.page_size))
 
     # ---- a request's life -----------------------------------------------------------------
@@ -47,10 +47,10 @@ class CacheManager:
         match_ids = torch.tensor(req.token_ids[: req.prefix_match_limit], dtype=torch.int64)
         handle = self.cache.match_prefix(match_ids).handle
         self.cache.lock(handle)
-        n = handle.cached_len
+        n = handle.prefix_len
         if n:
             self.table.table[row, :n] = handle.get_matched_indices()
-        req.row, req.handle, req.cached_len, req.alloc_len = row, handle, n, n
+        req.row, req.handle, req.computed_len, req.alloc_len = row, handle, n, n
         return True
 
     def reserve(self, req: Req, num_tokens: int) -> torch.Tensor | None:
@@ -64,7 +64,7 @@ class CacheManager:
             slots = self.allocator.alloc_slots(pages)
             self.table.table[row, req.alloc_len : req.alloc_len + slots.numel()] = slots
             req.alloc_len += slots.numel()
-        return self.table.table[row, req.cached_len : req.cached_len + num_tokens]
+        return self.table.table[row, req.computed_len : req.computed_len + num_tokens]
 
     def reserve_decodes(self, reqs: Sequence[Req]) -> torch.Tensor | None:
         """The KV slot of each decoding request's next token, [len(reqs)] in order: `reserve(r,
@@ -73,7 +73,7 @@ class CacheManager:
         gather reads every slot. None, with nothing changed, when the pool cannot supply them."""
         if not reqs:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        needy = [r for r in reqs if r.cached_len + 1 > r.alloc_len]  # alloc_len >= cached_len always
+        needy = [r for r in reqs if r.computed_len + 1 > r.alloc_len]  # alloc_len >= computed_len always
         if needy:
             if not self._ensure_free_pages(len(needy)):
                 return None
@@ -85,7 +85,7 @@ class CacheManager:
             for r in needy:
                 r.alloc_len += self.page_size
         rows = host_tensor([r.row for r in reqs], torch.int64, self.device)
-        cols = host_tensor([r.cached_len for r in reqs], torch.int64, self.device)
+        cols = host_tensor([r.computed_len for r in reqs], torch.int64, self.device)
         return self.table.table[rows, cols]
 
     def cache_prefix(self, req: Req) -> None:
@@ -94,20 +94,20 @@ class CacheManager:
         The table is remapped to the cache's copies before the request's duplicates are freed,
         so the page table never points at a freed slot.
         """
-        n = req.cached_len
+        n = req.computed_len
         old = req.handle
         ids = torch.tensor(req.token_ids[:n], dtype=torch.int64)
         result = self.cache.insert_prefix(ids, self.table.table[req.row, :n])
         new = result.handle
-        duplicates = self.table.table[req.row, old.cached_len : result.cached_len].clone()
-        if new.cached_len:
-            self.table.table[req.row, : new.cached_len] = new.get_matched_indices()
+        duplicates = self.table.table[req.row, old.prefix_len : result.matched_len].clone()
+        if new.prefix_len:
+            self.table.table[req.row, : new.prefix_len] = new.get_matched_indices()
         self.cache.lock(new)
         self.cache.unlock(old)
         req.handle = new
         self.allocator.free_slots(duplicates)
-        if new.cached_len > req.alloc_len:
-            raise RuntimeError(f"prefix cache kept {new.cached_len} tokens of {req!r}, past its allocation")
+        if new.prefix_len > req.alloc_len:
+            raise RuntimeError(f"prefix cache kept {new.prefix_len} tokens of {req!r}, past its allocation")
         # For a cache that keeps nothing (naive), the private region simply starts at 0 again.
 
     def release(self, req: Req, keep_in_cache: bool = True) -> None:
@@ -116,12 +116,12 @@ class CacheManager:
         cache does not keep is freed, and so is its page-table row."""
         if req.row is None:
             return
-        if keep_in_cache and req.cached_len > 0:
+        if keep_in_cache and req.computed_len > 0:
             self.cache_prefix(req)
-        self.allocator.free_slots(self.table.table[req.row, req.cache_len : req.alloc_len].clone())
+        self.allocator.free_slots(self.table.table[req.row, req.cache_owned_len : req.alloc_len].clone())
         self.cache.unlock(req.handle)
         self.table.free(req.row)
-        req.row, req.handle, req.cached_len, req.alloc_len = None, None, 0, 0
+        req.row, req.handle, req.computed_len, req.alloc_len = None, None, 0, 0
 
     # ---- whole-pool operations --------------------------------------------------------------
     def _ensure_free_pages(self, pages: int) -> bool:

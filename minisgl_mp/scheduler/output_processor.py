@@ -79,7 +79,7 @@ class OutputProcessorMixin:
         self.stats.spec_verify_steps += 1
         self.stats.spec_drafted_tokens += v.drafted
         self.stats.spec_accepted_tokens += v.accepted
-        req.cached_len += v.accepted + 1
+        req.computed_len += v.accepted + 1
         release_rejected(req, self.kv.table.table, self.kv.allocator)
         start = req.seq_len
         for token, lp in zip(v.tokens, v.logprobs):
@@ -91,7 +91,7 @@ class OutputProcessorMixin:
                 break
         new = req.token_ids[start:]
         self.stats.decode_tokens += len(new)
-        req.cached_len = min(req.cached_len, req.seq_len - 1 if not req.finished else req.seq_len)
+        req.computed_len = min(req.computed_len, req.seq_len - 1 if not req.finished else req.seq_len)
         self.sampler.state.out_len[req.row] += len(new)
         lps = [lp for lp in v.logprobs[:len(new)] if lp is not None]
         self._pending_outputs.append(self._output(req, new, lps))
@@ -110,7 +110,7 @@ class OutputProcessorMixin:
             # A step launched after this token's had already run the request on: its token is
             # dropped (its KV, of this token, is valid and may be cached).
             del req.token_ids[pos + 1 :]
-            req.cached_len = min(req.cached_len, req.seq_len)
+            req.computed_len = min(req.computed_len, req.seq_len)
         self._pending_outputs.append(self._output(req, [token], [lp] if lp is not None else [],
                                                   output_len=pos + 1 - req.prompt_len))
         if req.finished:

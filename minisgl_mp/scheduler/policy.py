@@ -30,7 +30,7 @@ def order_waiting(waiting: Sequence[Req], policy: str, cache: BasePrefixCache, a
 
     def hit(r: Req) -> int:
         ids = torch.tensor(r.token_ids[: r.prefix_match_limit], dtype=torch.int64)
-        return cache.match_prefix(ids).handle.cached_len
+        return cache.match_prefix(ids).handle.prefix_len
 
     hits = {id(r): hit(r) for r in fresh}
     fresh.sort(key=lambda r: -hits[id(r)])  # stable: ties keep arrival order
@@ -60,7 +60,7 @@ class InFlightPrefixes:
 
     def should_wait(self, req: Req) -> bool:
         ids = torch.tensor(req.token_ids[: req.prefix_match_limit], dtype=torch.int64)
-        shared = self.tree.match_prefix(ids).handle.cached_len
+        shared = self.tree.match_prefix(ids).handle.prefix_len
         if shared < self.IN_BATCH_SHARE_TOKENS:
             return False
-        return shared - self.cache.match_prefix(ids).handle.cached_len >= self.IN_BATCH_SHARE_TOKENS
+        return shared - self.cache.match_prefix(ids).handle.prefix_len >= self.IN_BATCH_SHARE_TOKENS

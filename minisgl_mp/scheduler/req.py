@@ -30,10 +30,11 @@ class TokenLogprobs:
 class Req:
     """KV bookkeeping, in named lengths over `token_ids` (prompt, then output):
 
-        [0, handle.cached_len)          KV owned by the prefix cache, locked through `handle`
-        [handle.cached_len, alloc_len)  KV slots this request allocated itself (whole pages)
-        [0, cached_len)                 tokens whose KV has been computed (or matched)
-        [cached_len, seq_len)           tokens still to run through the model (`extend_len`)
+        [0, cache_owned_len)            KV owned by the prefix cache, locked through `handle`
+                                        (cache_owned_len is handle.prefix_len)
+        [cache_owned_len, alloc_len)    KV slots this request allocated itself (whole pages)
+        [0, computed_len)               tokens whose KV has been computed (or matched)
+        [computed_len, seq_len)         tokens still to run through the model (`extend_len`)
 
     `row` is the request's row in the page table while it holds KV; None while it waits.
     """
@@ -52,7 +53,7 @@ class Req:
 
         self.row: int | None = None
         self.handle: CacheHandle | None = None
-        self.cached_len = 0
+        self.computed_len = 0
         self.alloc_len = 0
 
         self.prefix_hit_len: int | None = None  # cache hit at first admission (usage.cached_tokens)
@@ -96,7 +97,7 @@ class Req:
 
     @property
     def extend_len(self) -> int:
-        return self.seq_len - self.cached_len
+        return self.seq_len - self.computed_len
 
     @property
     def remaining_tokens(self) -> int:
@@ -116,8 +117,8 @@ class Req:
         return min(limit, self.prompt_logprob_pos) if self.wants_prompt_logprobs else limit
 
     @property
-    def cache_len(self) -> int:
-        return self.handle.cached_len if self.handle is not None else 0
+    def cache_owned_len(self) -> int:
+        return self.handle.prefix_len if self.handle is not None else 0
 
     @property
     def is_decoding(self) -> bool:
@@ -128,5 +129,5 @@ class Req:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
-        return (f"Req({self.rid!r}, seq_len={self.seq_len}, cached_len={self.cached_len}, "
+        return (f"Req({self.rid!r}, seq_len={self.seq_len}, computed_len={self.computed_len}, "
                 f"output_len={self.output_len}, row={self.row})")

@@ -338,10 +338,10 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
     def _advance(self, req: Req, n: int, prefill: bool, sampled: bool, k: int) -> None:
         """`req` has run `n` more tokens; if it was sampled, its token is the k-th of the step
         and a placeholder holds its place until it is read."""
-        req.cached_len += n
+        req.computed_len += n
         if not sampled:  # a prompt chunk that goes on in a later step
             return
-        if prefill and req.cached_len - req.cache_len >= self.kv.page_size:
+        if prefill and req.computed_len - req.cache_owned_len >= self.kv.page_size:
             self.kv.cache_prefix(req)
         req.token_ids.append(-(k + 1))
 
@@ -414,7 +414,7 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
 
     # ---- health and admin -------------------------------------------------------------------------
     def private_tokens(self) -> int:
-        return sum(r.alloc_len - r.cache_len for r in self.running)
+        return sum(r.alloc_len - r.cache_owned_len for r in self.running)
 
     def check_health(self, full: bool = True) -> None:
         """Raises if any KV slot is unaccounted for; `full` also recounts the prefix cache's

@@ -189,7 +189,7 @@ def release_rejected(req: Req, table: torch.Tensor, allocator: PageAllocator) ->
     """Give back the pages past the one that holds `req`'s next token's slot (its rejected
     drafts' KV), so the request holds no more than a plain decode would."""
     ps = allocator.page_size
-    keep = -(-(req.cached_len + 1) // ps) * ps
+    keep = -(-(req.computed_len + 1) // ps) * ps
     if req.alloc_len > keep:
         allocator.free_slots(table[req.row, keep:req.alloc_len].clone())
         req.alloc_len = keep
