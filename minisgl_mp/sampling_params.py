@@ -53,6 +53,13 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # The output opens inside the model's thinking (SGLang's name; the chat endpoint sets it
+    # under --reasoning-parser unless enable_thinking is false): the grammar constrains only
+    # what follows the think-end token (constrained/reasoning.py).
+    require_reasoning: bool = False
+    # With require_reasoning: after this many thinking tokens the think-end token is forced, so
+    # the answer always comes (vLLM's name; None: no cap). max_tokens counts both.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON, msgpack) and a single stop string; store tuples.
@@ -97,7 +104,7 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "require_reasoning"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -113,6 +120,12 @@ class SamplingParams:
                 raise bad("logprob_start_len", "null or an integer >= 0")
             if self.logprobs is None:
                 raise ValueError("logprob_start_len needs logprobs (the top-k count, 0 for none)")
+        if self.thinking_token_budget is not None and (not _is_int(self.thinking_token_budget)
+                                                       or self.thinking_token_budget < 0):
+            raise bad("thinking_token_budget", "null or an integer >= 0")
+        if self.thinking_token_budget is not None and not self.require_reasoning:
+            raise ValueError("thinking_token_budget caps the thinking the output opens with: it needs "
+                             "require_reasoning (set by the chat endpoint when the model thinks)")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:

@@ -35,6 +35,8 @@ INVALID: dict[str, tuple[str, list[Any]]] = {
     "json_schema": ("a non-empty string", ["", 5, []]),
     "regex": ("a non-empty string", ["", 3]),
     "ebnf": ("a non-empty string", ["", True]),
+    "require_reasoning": ("true or false", [1, "yes", None]),
+    "thinking_token_budget": ("null or an integer >= 0", [-1, 1.5, True, "4"]),
 }
 CASES = [(name, value) for name, (_, values) in INVALID.items() for value in values]
 
@@ -56,6 +58,8 @@ def test_every_field_is_validated() -> None:
     ({"regex": "a", "ebnf": "root ::= \"a\""}, "json_schema, regex and ebnf are exclusive: give one, got regex, ebnf"),
     ({"json_schema": "{oops"}, "json_schema is not valid JSON"),
     ({"json_schema": "[1]"}, "json_schema must be a JSON object (a schema), got list"),
+    ({"thinking_token_budget": 4}, "thinking_token_budget caps the thinking the output opens with: it needs "
+                                   "require_reasoning"),
 ])
 def test_limits_on_stop_lists(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -8,7 +8,8 @@ Contract:
   done. Futures are cached by key (finished ones in LRU order, failures too: they are as
   deterministic as successes), so concurrent requests with one schema compile it once.
 - `matcher(compiled)` is one request's state: it accepts each sampled token and fills that
-  request's row of the token bitmask.
+  request's row of the token bitmask. `request_matcher` gives a request its matcher: the
+  grammar's, behind the request's thinking when it requires reasoning (reasoning.py).
 - The bitmask is filled and applied only for constrained rows; an unconstrained batch never
   calls the backend.
 """
@@ -24,6 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minisgl_mp.constrained.matcher import GrammarMatcher
+from minisgl_mp.constrained.reasoning import ReasoningMatcher
 from minisgl_mp.engine_config import GRAMMAR_BACKENDS
 from minisgl_mp.sampling_params import SamplingParams
 
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SamplingParams' field names
 MAX_CACHED_GRAMMARS = 256
+NO_BACKEND_FOR_BUDGET = ("thinking_token_budget needs a grammar backend (the think-end token is forced through "
+                         "the token mask): this server runs with --grammar-backend none")
 
 
 class GrammarKey(NamedTuple):
@@ -47,24 +52,11 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
     return None
 
 
-class GrammarMatcher(ABC):
-    """One request's position in its grammar."""
-
-    @abstractmethod
-    def accept_token(self, token: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it."""
-
-    @abstractmethod
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (bit set = allowed)."""
-
-    @abstractmethod
-    def is_terminated(self) -> bool:
-        """The grammar has ended (it accepted its stop token)."""
-
-
 class GrammarBackend(ABC):
-    def __init__(self, max_workers: int = 2) -> None:
+    def __init__(self, max_workers: int = 2, think_end_ids: tuple[int, ...] = (),
+                 stop_token_ids: frozenset[int] = frozenset()) -> None:
+        self.think_end_ids = think_end_ids  # the tokens of reasoning.THINK_END
+        self.stop_token_ids = stop_token_ids
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._lock = threading.Lock()  # compile() may be called from any thread
@@ -133,6 +125,26 @@ class GrammarBackend(ABC):
         for m, i in zip(matchers, rows):
             m.fill_bitmask(bitmask, i)
         self.apply_bitmask(logits, bitmask, rows)
+
+
+def request_matcher(backend: GrammarBackend | None, compiled: Any | None, params: SamplingParams
+                    ) -> GrammarMatcher | None:
+    """The matcher of a request: its grammar's (`compiled`; None when it has no grammar),
+    behind its thinking when it requires reasoning (with a thinking budget it needs one even
+    without a grammar); None when nothing masks its tokens. Raises ValueError when it needs a
+    backend and there is none."""
+    budget = params.thinking_token_budget if params.require_reasoning else None
+    if compiled is None and budget is None:
+        return None
+    if backend is None:
+        raise ValueError(NO_BACKEND_FOR_BUDGET)
+    grammar = None if compiled is None else backend.matcher(compiled)
+    if not params.require_reasoning:
+        return grammar
+    banned: frozenset[int] = frozenset()
+    if grammar is not None:  # only a constrained answer is kept from stopping inside the thinking
+        banned = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else backend.stop_token_ids)
+    return ReasoningMatcher(grammar, backend.think_end_ids, budget, banned)
 
 
 def create_grammar_backend(name: str, tokenizer: Any | None, vocab_size: int, stop_token_ids: frozenset[int],

@@ -9,6 +9,7 @@ import torch
 import xgrammar as xgr
 
 from minisgl_mp.constrained.base import GrammarBackend, GrammarKey, GrammarMatcher
+from minisgl_mp.constrained.reasoning import THINK_END
 
 # xgrammar's messages start with "[time] /path/file.cc:line: " and sometimes a failed check.
 _NOISE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
@@ -35,7 +36,8 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
                  any_whitespace: bool = False) -> None:
-        super().__init__()
+        super().__init__(think_end_ids=tuple(tokenizer.encode(THINK_END, add_special_tokens=False)),
+                         stop_token_ids=stop_token_ids)
         # The mask spans the larger of the model's rows and the tokenizer's ids; ids the
         # tokenizer lacks (the model's padding rows) are never allowed.
         self.vocab_size = max(vocab_size, len(tokenizer))

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from minisgl_mp.constrained.base import GrammarBackend, grammar_key
+from minisgl_mp.constrained.base import GrammarBackend, grammar_key, request_matcher
 from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.engine.model_runner import ModelRunner
 from minisgl_mp.engine_config import EngineConfig
@@ -179,6 +179,7 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
             self.grammar.validate(key)
         max_seq_len = min(self.context_len, len(prompt_ids) + params.max_tokens, pool_tokens)
         req = Req(rid, prompt_ids, params, max_seq_len, self.eos_ids)
+        req.grammar = request_matcher(self.grammar, None, params) if key is None else None  # a thinking budget's
         if params.stop and self.make_stop_checker is not None:
             req.stop_checker = self.make_stop_checker(req)
         self.reqs[rid] = req
@@ -215,7 +216,7 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
             fut, req.grammar_future = req.grammar_future, None
             err = fut.exception()
             if err is None:
-                req.grammar = self.grammar.matcher(fut.result())
+                req.grammar = request_matcher(self.grammar, fut.result(), req.params)
                 self._enqueue(req)
                 continue
             req.finish_reason = FinishReason.ABORT

@@ -43,6 +43,13 @@ def grammar_backend(manager: TokenizerManager) -> str:
     return getattr(config.engine, "grammar_backend", None) or getattr(config.server, "grammar_backend", None) or "none"
 
 
+def model_thinks(manager: TokenizerManager, template_kwargs: dict[str, Any] | None) -> bool:
+    """A chat answer opens inside the model's thinking: the server knows how it thinks
+    (--reasoning-parser) and the request does not turn thinking off (Qwen3's enable_thinking)."""
+    thinking_off = (template_kwargs or {}).get("enable_thinking") is False
+    return manager.config.server.reasoning_parser is not None and not thinking_off
+
+
 def tool_options(body: dict[str, Any], manager: TokenizerManager, template_kwargs: dict[str, Any] | None
                   ) -> tuple[list[dict[str, Any]] | None, str | None, ChatOutputSpec]:
     """(the tools the chat template shows, the JSON schema that constrains the output, the
@@ -72,7 +79,7 @@ def tool_options(body: dict[str, Any], manager: TokenizerManager, template_kwarg
         constrained_calls=schema is not None,
         parallel_tool_calls=parallel,
         reasoning_parser=server.reasoning_parser if separate_reasoning else None,
-        # A constrained output is the array of calls from its first token: no thinking in it.
-        in_reasoning=(template_kwargs or {}).get("enable_thinking") is not False and schema is None,
+        # A constrained output thinks first too: its grammar starts after the thinking.
+        in_reasoning=model_thinks(manager, template_kwargs),
         stream_reasoning=stream_reasoning)
     return shown, schema, spec

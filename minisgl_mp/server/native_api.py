@@ -4,11 +4,11 @@
 In: `text` (a string or a list) or `input_ids` (ids or a list of id lists) or `messages` (ours),
 `sampling_params` (one object or one per prompt; SGLang's names such as `max_new_tokens` or ours;
 `n` samples each prompt n times), `rid`, `stream`, `return_logprob`, `logprob_start_len`,
-`top_logprobs_num`, `return_text_in_logprobs`. Out: {"text", "output_ids", "meta_info"} per
-prompt and sample, a list when the input was a list or n > 1 (prompt-major), with SGLang's
-meta_info: id, finish_reason ({"type": "stop", "matched": ...}, {"type": "length", "length": n},
-{"type": "abort"}; null until finished), prompt_tokens, completion_tokens, cached_tokens,
-e2e_latency, and with return_logprob [logprob, token id, text or null] lists.
+`top_logprobs_num`, `return_text_in_logprobs`, `require_reasoning`. Out: {"text", "output_ids",
+"meta_info"} per prompt and sample, a list when the input was a list or n > 1 (prompt-major), with
+SGLang's meta_info: id, finish_reason ({"type": "stop", "matched": ...}, {"type": "length",
+"length": n}, {"type": "abort"}; null until finished), prompt_tokens, completion_tokens,
+cached_tokens, e2e_latency, and with return_logprob [logprob, token id, text or null] lists.
 
 As in SGLang: max_new_tokens defaults to 128 and is cut to what the context leaves; the stream
 sends the cumulative text and output_ids in every event (with "index" when batched).
@@ -34,7 +34,7 @@ from minisgl_mp.tokenizer.requests import (GenerateRequest, RequestError, check_
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 NATIVE_FIELDS = frozenset({"text", "input_ids", "messages", "sampling_params", "rid", "stream", "return_logprob",
                            "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
-                           "chat_template_kwargs"})
+                           "chat_template_kwargs", "require_reasoning"})
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,17 @@ def _prompts(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
     params = _per_prompt(body, "sampling_params", len(items), batched)
     rids = _per_prompt(body, "rid", len(items), batched)
     template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    # SGLang's place for it (ours, sampling_params.require_reasoning, works too): the prompt
+    # opens a thinking, so its grammar waits for the thinking to end.
+    reasoning = body.get("require_reasoning")
+    if reasoning is not None and not isinstance(reasoning, bool):
+        raise HttpError("require_reasoning must be true or false", param="require_reasoning")
     reqs = []
     for item, p, rid in zip(items, params, rids):
         if kind == "text" and not isinstance(item, str):
             raise HttpError("text must be a string or a list of strings", param="text")
+        if reasoning and (p is None or isinstance(p, dict)):
+            p = {**(p or {}), "require_reasoning": True}
         reqs.append(GenerateRequest(
             rid=check_rid(rid) if not batched or isinstance(body.get("rid"), list) else None,
             params=make_params({k: v for k, v in (p or {}).items() if k != "n"} if isinstance(p, dict) else p,

@@ -17,7 +17,7 @@ from typing import Any
 
 from minisgl_mp.sampling_params import SamplingParams
 from minisgl_mp.server.chat_output import ChatOutputSpec
-from minisgl_mp.server.chat_tools import tool_options
+from minisgl_mp.server.chat_tools import model_thinks, tool_options
 from minisgl_mp.server.fanout import Choice
 from minisgl_mp.server.http_io import HttpError, opt_bool
 from minisgl_mp.tokenizer.fields import check_extra_fields
@@ -27,11 +27,13 @@ from minisgl_mp.tokenizer.requests import GenerateRequest, RequestError, check_m
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty",
                    "ignore_eos", "stop_token_ids", "skip_special_tokens", "logit_bias", "include_stop_str_in_output",
-                   "json_schema", "regex", "ebnf")
-# Other engines' names for a sampling field: SGLang's no_stop_trim is vLLM's include_stop_str_in_output.
-FIELD_ALIASES = {"no_stop_trim": "include_stop_str_in_output"}
+                   "json_schema", "regex", "ebnf", "thinking_token_budget")
+# Other engines' names for a sampling field: SGLang's no_stop_trim is vLLM's include_stop_str_in_output,
+# SGLang's thinking_budget vLLM's thinking_token_budget.
+FIELD_ALIASES = {"no_stop_trim": "include_stop_str_in_output", "thinking_budget": "thinking_token_budget"}
 _COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", *SAMPLING_FIELDS, *FIELD_ALIASES}
-COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo"})
+# A raw prompt may open a thinking or not: the client says (SGLang's /generate field).
+COMPLETION_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "logprobs", "echo", "require_reasoning"})
 CHAT_FIELDS = frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                           "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
                                           "separate_reasoning", "stream_reasoning"})
@@ -233,7 +235,8 @@ async def parse_completion(body: dict[str, Any], manager: TokenizerManager) -> O
     usage_opts = _stream_options(body, stream)
     echo = opt_bool(body, "echo")
     top = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top, **_grammar_fields(body)}
+    fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "logprobs": top, **_grammar_fields(body),
+              "require_reasoning": body.get("require_reasoning")}
     # vLLM's way to score a prompt: max_tokens 0 with echo (lm-eval's loglikelihood sends 1).
     prompt_only = body.get("max_tokens") == 0 and _is_int(body["max_tokens"])
     if prompt_only:
@@ -266,6 +269,15 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
     messages = check_messages(body["messages"])
     template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     tools, schema, output = tool_options(body, manager, template_kwargs)
+    thinks = model_thinks(manager, template_kwargs)
+    budget = body.get("thinking_token_budget")
+    if budget is not None:  # checked here too: with thinking off it is dropped, never a sampling field
+        if server.reasoning_parser is None:
+            raise HttpError("thinking_token_budget needs a server started with --reasoning-parser (it says where "
+                            "the model's thinking ends)", param="thinking_token_budget")
+        if not _is_int(budget) or budget < 0:
+            raise HttpError(f"thinking_token_budget must be null or an integer >= 0, got {budget!r}",
+                            param="thinking_token_budget")
     n = _n(body, server.max_n)
     stream = opt_bool(body, "stream")
     usage_opts = _stream_options(body, stream)
@@ -275,6 +287,11 @@ async def parse_chat(body: dict[str, Any], manager: TokenizerManager) -> OpenAIR
         raise HttpError("top_logprobs requires logprobs: true", param="top_logprobs")
     fields = {**{k: body.get(k) for k in SAMPLING_FIELDS}, **_grammar_fields(body)}
     fields["logprobs"] = (top or 0) if want_logprobs else None
+    # A thinking model's grammar (and budget) waits for its thinking to end; with thinking off
+    # the grammar starts at once and there is no thinking to cap.
+    fields["require_reasoning"] = thinks
+    if not thinks:
+        fields["thinking_token_budget"] = None
     if body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins
         if not _is_int(body["max_completion_tokens"]) or body["max_completion_tokens"] < 1:
             raise HttpError(f"max_completion_tokens must be an integer >= 1, got {body['max_completion_tokens']!r}",
