@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from minisgl_mp.models.gguf_layout import check_layout
+
 # GGUF's general.architecture -> (Hugging Face model_type, architectures[0]).
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -35,7 +37,7 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # Bumped when what prepare_gguf writes changes, so stale cache folders are rebuilt.
-PREPARE_VERSION = "1"
+PREPARE_VERSION = "2"
 
 # llama.cpp tensor name -> Hugging Face name ({} is the layer index).
 _LAYER_NAMES = {
@@ -89,10 +91,19 @@ def open_reader(file: Path) -> Any:
     (truncated, not GGUF, a newer format version)."""
     from gguf import GGUFReader
 
+    size = file.stat().st_size
+    if size == 0:
+        raise GGUFError(f"{file}: empty file, not a GGUF model")
     try:
         return GGUFReader(str(file))
     except Exception as e:  # the reader raises ValueError, struct/index errors or numpy's on bad bytes
-        raise GGUFError(f"{file}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        said = f"{type(e).__name__}: {e}"
+        if "magic" in str(e):
+            raise GGUFError(f"{file}: not a GGUF file (it does not start with the bytes 'GGUF')") from None
+        if "GGMLQuantizationType" in str(e):  # a tensor type id the enum lacks
+            raise GGUFError(f"{file}: a tensor is stored in a type the installed gguf package does not "
+                            f"know ({said}); a newer llama.cpp type?") from None
+        raise GGUFError(f"{file}: truncated or corrupt GGUF file ({size} bytes; the reader says {said})") from None
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -301,14 +312,17 @@ def _cache_key(file: Path) -> str:
 
 def prepare_gguf(file: Path) -> Path:
     """The folder with config.json and the tokenizer files derived from `file`'s metadata,
-    written on first use. Checks the architecture and every tensor's type up front, so a file
-    that cannot be served fails here, before any process starts."""
+    written on first use. Checks the architecture, every tensor's type and the tensors' names
+    and shapes up front, so a file that cannot be served fails here, before any process starts."""
     out = _cache_root() / f"{file.stem}-{_cache_key(file)}"
     if (out / "config.json").exists():
         return out
     reader = open_reader(file)
     config = hf_config(reader, file)
     check_tensor_types(reader, file)
+    check_layout(reader, config, file, optional=(ROPE_FREQS,))
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise GGUFError(f"{file}: GGUF metadata lacks tokenizer.ggml.tokens, so the file has no vocabulary")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
