@@ -147,7 +147,8 @@ def encode(data: np.ndarray, qtype: str) -> tuple[np.ndarray, Any]:
 def _file_type(qtype: str) -> int:
     from gguf import LlamaFileType
 
-    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_K": "MOSTLY_Q4_K_M", "Q6_K": "MOSTLY_Q6_K"}
+    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_K": "MOSTLY_Q4_K_M",
+             "Q6_K": "MOSTLY_Q6_K"}
     return int(LlamaFileType[names.get(qtype, f"MOSTLY_{qtype}")])
 
 
