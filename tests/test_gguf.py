@@ -15,6 +15,7 @@ naming the file and the reason, no traceback.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -222,7 +223,8 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     for name, omit, phrase in [("no-ffn-down.gguf", "blk.1.ffn_down.weight", "missing for a qwen3 model of 2 blocks: "
                                 "blk.1.ffn_down.weight"),
                                ("no-head-count.gguf", "qwen3.attention.head_count", "lacks qwen3.attention.head_count"),
-                               ("no-vocabulary.gguf", "tokenizer.ggml.tokens", "lacks tokenizer.ggml.tokens")]:
+                               ("no-vocabulary.gguf", "tokenizer.ggml.tokens", "lacks tokenizer.ggml.tokens, so the "
+                                "file has no vocabulary; pass --tokenizer")]:
         files[name] = (make_gguf.write_gguf(root / name, "qwen3", "Q8_0", omit=[omit]), phrase)
     two = root / "two-quantizations"
     two.mkdir()
@@ -247,12 +249,23 @@ def test_an_unservable_file_raises_one_clear_error_offline(bad_files: dict[str, 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", BAD)
-def test_the_launcher_refuses_an_unservable_file_in_one_line(bad_files: dict[str, tuple[Path, str]],
-                                                             name: str) -> None:
+def test_the_launcher_refuses_an_unservable_file_in_one_line(bad_files: dict[str, tuple[Path, str]], name: str,
+                                                             tmp_path: Path) -> None:
     path, phrase = bad_files[name]
+    # Its own cache folder: a file refused after its config is derived leaves that behind.
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "minisgl_mp.launch", "--model", str(path), "--port", "0",
-                           "--zmq-port", "0", "--no-enable-http"], capture_output=True, text=True, timeout=50)
+                           "--zmq-port", "0", "--no-enable-http"], capture_output=True, text=True, timeout=50, env=env)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and str(path) in errors[0] and phrase in errors[0], proc.stderr
+
+
+def test_a_file_without_a_vocabulary_serves_with_tokenizer(bad_files: dict[str, tuple[Path, str]],
+                                                           tiny_model_dir: Path) -> None:
+    # As vLLM: --tokenizer supplies what the file lacks (here the same tokenizer make_gguf writes).
+    llm = make_llm(bad_files["no-vocabulary.gguf"][0], tokenizer=str(tiny_model_dir))
+    assert llm.scheduler.runner.model.config.vocab_size == len(llm.tokenizer)
+    out = llm.generate([llm.encode("Hello there")], GREEDY)[0]
+    assert len(out["token_ids"]) == GREEDY.max_tokens and out["text"]

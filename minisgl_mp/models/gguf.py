@@ -310,23 +310,31 @@ def _cache_key(file: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def prepare_gguf(file: Path) -> Path:
+def prepare_gguf(file: Path, need_tokenizer: bool = True) -> Path:
     """The folder with config.json and the tokenizer files derived from `file`'s metadata,
     written on first use. Checks the architecture, every tensor's type and the tensors' names
-    and shapes up front, so a file that cannot be served fails here, before any process starts."""
+    and shapes up front, so a file that cannot be served fails here, before any process starts.
+    A file without a vocabulary gets no tokenizer files: an error unless the caller has a
+    tokenizer of its own (`need_tokenizer` False: --tokenizer, as vLLM takes one)."""
     out = _cache_root() / f"{file.stem}-{_cache_key(file)}"
-    if (out / "config.json").exists():
-        return out
+    if not (out / "config.json").exists():
+        _prepare(file, out)
+    if need_tokenizer and not (out / "tokenizer_config.json").exists():
+        raise GGUFError(f"{file}: GGUF metadata lacks tokenizer.ggml.tokens, so the file has no vocabulary; "
+                        "pass --tokenizer with a folder or hub id that holds its tokenizer")
+    return out
+
+
+def _prepare(file: Path, out: Path) -> None:
     reader = open_reader(file)
     config = hf_config(reader, file)
     check_tensor_types(reader, file)
     check_layout(reader, config, file, optional=(ROPE_FREQS,))
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        raise GGUFError(f"{file}: GGUF metadata lacks tokenizer.ggml.tokens, so the file has no vocabulary")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        _write_tokenizer(file, staging)
+        if "tokenizer.ggml.tokens" in reader.fields:
+            _write_tokenizer(file, staging)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         (staging / "source.json").write_text(json.dumps({"gguf": str(file.resolve())}) + "\n", encoding="utf-8")
         try:
@@ -336,7 +344,6 @@ def prepare_gguf(file: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out
 
 
 def _write_tokenizer(file: Path, out: Path) -> None:

@@ -83,7 +83,7 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer: str | None =
 
     def found_gguf(file: Path) -> ModelSource:
         # The config and tokenizer come from the file's metadata, written once beside it in the cache.
-        derived = prepare_gguf(file.resolve())
+        derived = prepare_gguf(file.resolve(), need_tokenizer=not tokenizer)
         tok = Path(tokenizer) if tokenizer else derived
         weights = None if load_format == "dummy" else file.resolve()
         return ModelSource(model, derived / "config.json", weights, tok)
