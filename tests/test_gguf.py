@@ -269,3 +269,11 @@ def test_a_file_without_a_vocabulary_serves_with_tokenizer(bad_files: dict[str, 
     assert llm.scheduler.runner.model.config.vocab_size == len(llm.tokenizer)
     out = llm.generate([llm.encode("Hello there")], GREEDY)[0]
     assert len(out["token_ids"]) == GREEDY.max_tokens and out["text"]
+
+
+def test_make_gguf_cli_writes_the_same_file_for_the_same_seed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    for out in (a, b):
+        assert make_gguf.main(["--arch", "qwen2", "--type", "Q4_0", "--layers", "1", "--out", str(out)]) == 0
+    assert f"wrote {a}" in capsys.readouterr().out
+    assert a.read_bytes() == b.read_bytes()
