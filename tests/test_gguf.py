@@ -215,6 +215,25 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     w.write_tensors_to_file()
     w.close()
     files["mamba.gguf"] = (root / "mamba.gguf", "architecture 'mamba' is not supported")
+    # The second of three parts llama-gguf-split writes: split.* keys and its share of the tensors.
+    w = gguf.GGUFWriter(str(root / "tiny-00002-of-00003.gguf"), "qwen3")
+    w.kv_data[0].clear()  # parts after the first carry no general.architecture
+    w.add_uint16("split.no", 1)
+    w.add_uint16("split.count", 3)
+    w.add_int32("split.tensors.count", 30)
+    w.add_tensor("blk.1.ffn_down.weight", np.zeros((256, 512), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    files["split-part.gguf"] = (root / "tiny-00002-of-00003.gguf", "part 2 of a GGUF model split into 3 files, which "
+                                f"is not served split: merge them into one first (llama-gguf-split --merge "
+                                f"{root / 'tiny-00001-of-00003.gguf'} merged.gguf)")
+    split = root / "split"
+    split.mkdir()
+    for name in ("tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"):
+        shutil.copyfile(good, split / name)
+    files["split-folder"] = (split, "holds one GGUF model split into 2 files (tiny-00001-of-00002.gguf, ...)")
     q81 = int(gguf.GGMLQuantizationType.Q8_1)  # in GGML's enum, but the gguf package cannot dequantize it
     files["q8_1.gguf"] = (_retyped(good, root / "q8_1.gguf", "blk.0.attn_q.weight", q81),
                           "'blk.0.attn_q.weight' is stored as Q8_1")
@@ -235,7 +254,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 
 BAD = ["truncated.gguf", "header-cut.gguf", "random.gguf", "empty.gguf", "mamba.gguf", "q8_1.gguf", "type-99.gguf",
-       "no-ffn-down.gguf", "no-head-count.gguf", "no-vocabulary.gguf", "two-files"]
+       "no-ffn-down.gguf", "no-head-count.gguf", "no-vocabulary.gguf", "two-files", "split-part.gguf", "split-folder"]
 
 
 @pytest.mark.parametrize("name", BAD)

@@ -63,6 +63,7 @@ _EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)$")
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # llama-gguf-split's file names
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 # llama.cpp stores Llama 3's rope scaling as per-frequency divisors, not as parameters.
 ROPE_FREQS = "rope_freqs.weight"
@@ -80,6 +81,10 @@ def find_gguf(folder: Path) -> Path | None:
     """The one GGUF file in `folder`; None when there is none. Several (one model in different
     quantizations, as hub repositories ship them) is an error: the user names the file."""
     files = sorted(p for p in folder.iterdir() if is_gguf(p) and p.is_file())
+    if len(files) > 1 and all(_SPLIT.search(p.name) for p in files):
+        raise GGUFError(f"{folder} holds one GGUF model split into {len(files)} files ({files[0].name}, ...), "
+                        "which is not served split: merge them into one first (llama-gguf-split --merge "
+                        f"{files[0]} merged.gguf)")
     if len(files) > 1:
         raise GGUFError(f"{folder} holds {len(files)} GGUF files ({', '.join(p.name for p in files)}); "
                         "pass the one to serve: --model " + str(files[0]))
@@ -327,6 +332,11 @@ def prepare_gguf(file: Path, need_tokenizer: bool = True) -> Path:
 
 def _prepare(file: Path, out: Path) -> None:
     reader = open_reader(file)
+    parts, part = int(_field(reader, "split.count", 1)), int(_field(reader, "split.no", 0)) + 1
+    if parts > 1:
+        first = file.with_name(file.name.replace(f"-{part:05d}-of-", "-00001-of-"))
+        raise GGUFError(f"{file}: part {part} of a GGUF model split into {parts} files, which is not served "
+                        f"split: merge them into one first (llama-gguf-split --merge {first} merged.gguf)")
     config = hf_config(reader, file)
     check_tensor_types(reader, file)
     check_layout(reader, config, file, optional=(ROPE_FREQS,))
