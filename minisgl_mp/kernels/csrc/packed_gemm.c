@@ -369,6 +369,24 @@ void packed_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const fl
     }
 }
 
+/* Every row of x (rows ldx apart, from the panel's first step of K) over one unit's panel of kc
+ * steps and `width` channels (a multiple of 16, at most the unit width; ncols of them real) in
+ * this file's layout, row group by row group into y: the accumulators start from zero on the
+ * `first` block of K and from y after it, and the bias is added on the `last`. For weight_gemm.c,
+ * which widens stored weights into such panels on the fly. */
+void packed_gemm_panel(const float *x, int64_t m, int64_t ldx, int64_t kc, const float *panel, int64_t width,
+                       int ncols, const float *bias, float *y, int64_t ldy, int first, int last) {
+    for (int64_t r = 0; r < m; r += MR) {
+        const int rows = (int)(m - r < MR ? m - r : MR);
+#if VL == 1
+        micro_scalar(x + r * ldx, ldx, kc, panel, width, bias, y + r * ldy, ldy, ncols, first, last, rows);
+#else
+        MICROS[width / VL - 1][rows - 1](x + r * ldx, ldx, kc, panel, width, bias, y + r * ldy, ldy, ncols, first,
+                                         last, NULL, 0);
+#endif
+    }
+}
+
 /* The unit width this build packs for (48, 16 or 16) and its row tile, for tests and logs. */
 int packed_gemm_unit(void) { return UW; }
 int packed_gemm_rows(void) { return MR; }
