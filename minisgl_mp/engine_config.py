@@ -13,7 +13,7 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "none")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 DEFAULT_PREFILL_CHUNK = 8192
 CPU_PREFILL_CHUNK = 2048
@@ -29,7 +29,7 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
     load_format: str = field(default="auto", metadata=_help("auto: load the checkpoint; dummy: random weights of the model's shape"))
     dtype: str = field(default="auto", metadata=_help("auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16. On CUDA the model runs in it; on CPU only the weights are stored in it (linear layers and embeddings), and activations, norms and the KV cache stay float32: products widen the weights in registers"))
-    quantization: str | None = field(default=None, metadata=_help("int8: on CPU, linear and embedding weights stored as int8 with a float32 scale per output channel, quantized at load from the float checkpoint (activations stay float32)"))
+    quantization: str | None = field(default=None, metadata=_help("int8: on CPU, linear and embedding weights stored as int8 with a float32 scale per output channel, quantized at load from the float checkpoint (activations stay float32); int4: as 4-bit blocks of 32 with a float16 scale and minimum each (llama.cpp's Q4_1), and from a GGUF file its Q4_0 / Q4_1 tensors as they are (its other tensors as int8)"))
     device: str | None = field(default=None, metadata=_help("cpu, cuda, cuda:N (default: cuda if available, else cpu)"))
     seed: int = field(default=0, metadata=_help("seed for unseeded sampling and dummy weights"))
     # KV cache

@@ -71,9 +71,9 @@ def _staggered(llm: LLM, prompts: dict[str, int], max_tokens: int = 6) -> None:
         sched.step()
 
 
-@pytest.mark.parametrize("kw", [{}, {"quantization": "int8"}, {"dtype": "float16"}, {"dtype": "bfloat16"},
-                                {"kv_cache_dtype": "bfloat16"}, {"page_size": 4}],
-                         ids=["float32", "int8", "float16", "bfloat16", "bf16-kv", "page-4"])
+@pytest.mark.parametrize("kw", [{}, {"quantization": "int8"}, {"quantization": "int4"}, {"dtype": "float16"},
+                                {"dtype": "bfloat16"}, {"kv_cache_dtype": "bfloat16"}, {"page_size": 4}],
+                         ids=["float32", "int8", "int4", "float16", "bfloat16", "bf16-kv", "page-4"])
 def test_plan_logits_are_the_modules_own(tiny_model_dir: Path, kw: dict) -> None:
     llm = LLM(str(tiny_model_dir), num_pages=256, **kw)
     assert llm.scheduler.runner.cpu_decode is not None

@@ -15,7 +15,7 @@ the `cpu` attention backend. Steps with prompt chunks are taken too, mixed with 
 (a mixed step paid the modules' Python calls once more than a decode step, docs/benchmarks.md
 section 26), as long as every request's attention runs a C kernel (not the `sdpa` fallback)
 and every product takes the step's rows in C: float32 panels without oneDNN's copy and bfloat16
-tiles at any size, stored float16 / bfloat16 / int8 weights below `Linear.DENSE_MIN_ROWS`,
+tiles at any size, stored float16 / bfloat16 / int8 / int4 weights below `Linear.DENSE_MIN_ROWS`,
 panels beside oneDNN's copy up to `Linear.PANELS_MAX_ROWS`. Anything else runs through the
 modules, as before: the model files stay the math.
 """

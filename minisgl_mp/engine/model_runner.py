@@ -15,11 +15,13 @@ from minisgl_mp.attention import registry
 from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.engine_config import EngineConfig
 from minisgl_mp.kernels import cpu as cpu_kernels
+from minisgl_mp.kernels import int4
 from minisgl_mp.kvcache.pool import KVPool
 from minisgl_mp.kvcache.req_table import ReqTable
 from minisgl_mp.kvcache.sizing import plan_pool
 from minisgl_mp.layers.linear import Linear
 from minisgl_mp.layers.parallel import apply_tp
+from minisgl_mp.models.gguf import is_gguf
 from minisgl_mp.models.registry import build_model
 from minisgl_mp.models.config import ModelConfig
 from minisgl_mp.models.source import ModelSource
@@ -42,14 +44,18 @@ class ModelRunner:
         self.dtype = dtype
         self.context_len = context_len
         shard = tp.shard if tp is not None else None
+        self.weight_dtype = weight_dtype or dtype
+        # int4 from a GGUF file: its own 4-bit blocks, collected as the loader reads them.
+        file_blocks = ({} if self.weight_dtype == int4.STORAGE_DTYPE and shard is None and source.weights is not None
+                       and is_gguf(source.weights) else None)
         self.model = build_model(source, model_config, dtype, device, progress=progress, seed=config.seed,
-                                 shard=shard)
+                                 shard=shard, int4_blocks=file_blocks)
         if tp is not None:
             apply_tp(self.model, model_config, tp)
-        self.weight_dtype = weight_dtype or dtype
         if self.weight_dtype != dtype:
-            stored = store_weights(self.model, self.weight_dtype)
-            logger.info("stored %d weight tensors as %s", stored, str(self.weight_dtype).replace("torch.", ""))
+            stored = store_weights(self.model, self.weight_dtype, file_blocks)
+            logger.info("stored %d weight tensors as %s", stored, "int4 blocks" if self.weight_dtype == int4.STORAGE_DTYPE
+                        else str(self.weight_dtype).replace("torch.", ""))
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_small_gemm:
             gemm = sum(m.enable_cpu_gemm(amx=config.cpu_amx, bf16_dot=config.cpu_bf16_dot) for m in linears)

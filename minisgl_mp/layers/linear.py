@@ -5,14 +5,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_mp.kernels import cpu as cpu_kernels
+from minisgl_mp.kernels import int4
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b). Weights are allocated uninitialised: the loader fills them.
 
     The weight is stored in the model's dtype, or after `store_weight()` in a smaller format
-    (float16 / bfloat16, or int8 with a float32 scale per output channel, `weight_scale`), while
-    x and y keep the model's dtype: the product widens the weight on the fly.
+    (float16 / bfloat16, int8 with a float32 scale per output channel, `weight_scale`, or int4
+    blocks, kernels/int4.py: uint8 [out, in / 32 * 20]), while x and y keep the model's dtype:
+    the product widens the weight on the fly.
 
     On the CPU, four paths, chosen by the number of rows (see docs/benchmarks.md):
     - `enable_cpu_gemm()`: for a stored format, the C kernel (kernels/csrc/weight_gemm.c)
@@ -62,10 +64,12 @@ class Linear(nn.Module):
         self.cpu_gemm = False
 
     def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Keep `weight` ([out, in], any dtype the product accepts) in place of the current one;
-        int8 comes with `scale` [out], float32."""
-        if weight.shape != (self.out_features, self.in_features):
-            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        """Keep `weight` ([out, in], any dtype the product accepts; int4 blocks [out, in / 32 * 20])
+        in place of the current one; int8 comes with `scale` [out], float32."""
+        shape = (self.out_features, int4.row_bytes(self.in_features) if weight.dtype == int4.STORAGE_DTYPE
+                 else self.in_features)
+        if weight.shape != shape:
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {shape}")
         if (scale is not None) != (weight.dtype == torch.int8):
             raise ValueError("an int8 weight needs its per-channel scale, and only it")
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
@@ -144,7 +148,8 @@ class Linear(nn.Module):
         rows = x.reshape(-1, self.in_features) if onednn else x
         tiles = []
         for start in range(0, self.out_features, self.WIDEN_TILE):
-            w = self.weight[start:start + self.WIDEN_TILE].to(x.dtype)
+            w = self.weight[start:start + self.WIDEN_TILE]
+            w = int4.dequantize(w).to(x.dtype) if w.dtype == int4.STORAGE_DTYPE else w.to(x.dtype)
             if self.weight_scale is not None:
                 w = w * self.weight_scale[start:start + self.WIDEN_TILE, None].to(x.dtype)
             tiles.append(torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "") if onednn

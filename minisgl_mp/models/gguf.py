@@ -274,11 +274,24 @@ class GGUFTensors:
             if self._stacked is None or self._stacked[0] != tensor.name:
                 self._stacked = (tensor.name, dequantized(tensor))
             return torch.from_numpy(np.ascontiguousarray(self._stacked[1][expert]))
-        data = dequantized(tensor)
-        if self._arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            data = _unpermute(data, self._heads if "attn_q" in tensor.name else self._kv_heads)
+        data = self._rows_in_our_order(tensor, dequantized(tensor))
         # A float32 tensor is a read-only view of the memory-mapped file: copied, not aliased.
         return torch.from_numpy(np.array(data, order="C", copy=not data.flags.writeable or None))
+
+    def _rows_in_our_order(self, tensor: Any, data: np.ndarray) -> np.ndarray:
+        if self._arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            return _unpermute(data, self._heads if "attn_q" in tensor.name else self._kv_heads)
+        return data
+
+    def int4_blocks(self, name: str) -> Any:
+        """The tensor's Q4_0 / Q4_1 blocks as int4 blocks, rows in our order (models/gguf_blocks.py);
+        None for any other type, and for experts' tensors."""
+        from minisgl_mp.models.gguf_blocks import int4_blocks
+
+        tensor, expert = self._by_name[name]
+        if expert is not None:
+            return None
+        return int4_blocks(tensor, lambda rows: self._rows_in_our_order(tensor, rows))
 
     def get_slice(self, name: str) -> _Slice:
         return _Slice(self.get_tensor(name))

@@ -140,15 +140,18 @@ def _checkpoint_handles(weights: Path, cfg: ModelConfig) -> list[tuple[str, Call
 
 
 def load_weights(model: nn.Module, cfg: ModelConfig, weights: Path, progress: bool = True,
-                 shard: TPShard | None = None) -> None:
+                 shard: TPShard | None = None, int4_blocks: dict[str, torch.Tensor] | None = None) -> None:
     """Fill `model` from the checkpoint at `weights` (a folder of safetensors or a GGUF file).
     With `shard`, the model has `shard.rank_config(cfg)` shapes and gets this rank's slices;
-    `cfg` is always the whole model's config."""
+    `cfg` is always the whole model's config. `int4_blocks` (a GGUF file, no shard): filled with
+    the int4 blocks of each parameter the file holds as Q4_0 / Q4_1 in every part, by our name
+    (models/weight_format.py stores them as they are)."""
     full_cfg = cfg
     cfg = shard.rank_config(full_cfg) if shard is not None else full_cfg
     params = dict(model.named_parameters())
     handles = _checkpoint_handles(weights, full_cfg)
     loaded: dict[str, str] = {}  # _Target.key -> checkpoint name
+    parts_blocks: dict[str, dict[str | None, torch.Tensor | None]] = {}  # param -> part -> int4 blocks
 
     bar = tqdm(total=sum(len(names) for _, _, names in handles), desc="Loading weights", unit="tensor",
                disable=not progress)
@@ -186,7 +189,13 @@ def load_weights(model: nn.Module, cfg: ModelConfig, weights: Path, progress: bo
                     raise WeightLoadError(f"tensor {ckpt_name!r} in {label} is given twice")
                 loaded.update(dict.fromkeys(keys, ckpt_name))
                 dest.copy_(tensor)
+                if int4_blocks is not None and shard is None and hasattr(f, "int4_blocks") and target.expert is None:
+                    parts_blocks.setdefault(target.param, {})[target.part] = f.int4_blocks(ckpt_name)
     bar.close()
+    for param, blocks in parts_blocks.items():
+        order = [part for part, _ in _parts(param, params[param].shape, cfg)] or [None]
+        if all(blocks.get(part) is not None for part in order):
+            int4_blocks[param] = torch.cat([blocks[part] for part in order])
 
     missing = [_checkpoint_name(t) for t in _required_targets(params, cfg) if t.key not in loaded]
     if missing:

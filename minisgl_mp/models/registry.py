@@ -45,14 +45,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                progress: bool = True, seed: int = 0, shard: TPShard | None = None) -> nn.Module:
+                progress: bool = True, seed: int = 0, shard: TPShard | None = None,
+                int4_blocks: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Instantiate on `device` in `dtype`, then fill from the checkpoint (or randomly when the
     source has no weights). With `shard`: this tensor-parallel rank's part of the model, with
-    no collectives yet (`layers/parallel.apply_tp` adds them)."""
+    no collectives yet (`layers/parallel.apply_tp` adds them). `int4_blocks`: see `load_weights`."""
     with torch.device(device), _default_dtype(dtype):
         model = model_class(cfg)(shard.rank_config(cfg) if shard is not None else cfg)
     if source.weights is None:
         init_dummy_weights(model, seed=seed + (shard.rank if shard is not None else 0))
     else:
-        load_weights(model, cfg, source.weights, progress=progress, shard=shard)
+        load_weights(model, cfg, source.weights, progress=progress, shard=shard, int4_blocks=int4_blocks)
     return model.eval()

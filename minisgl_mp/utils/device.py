@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 
 from minisgl_mp.engine_config import DTYPE_CHOICES
+from minisgl_mp.kernels import int4
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -40,7 +41,8 @@ def resolve_weight_dtypes(dtype: str, quantization: str | None, device: torch.de
     """(the dtype the model computes in, the dtype its linear and embedding weights are stored
     in). On a GPU both are `dtype` (16-bit arithmetic is native there). On the CPU the model
     computes in float32 and only the weights shrink: float16 / bfloat16 as asked, int8 with
-    --quantization int8 (a 16-bit matrix product through PyTorch crawls without 16-bit units)."""
+    --quantization int8 (a 16-bit matrix product through PyTorch crawls without 16-bit units),
+    int4 blocks (kernels/int4.py: uint8 bytes) with --quantization int4."""
     if device.type != "cpu":
         if quantization is not None:
             raise ValueError(f"--quantization {quantization} is implemented for the CPU only")
@@ -48,6 +50,8 @@ def resolve_weight_dtypes(dtype: str, quantization: str | None, device: torch.de
         return compute, compute
     if quantization == "int8":
         return torch.float32, torch.int8
+    if quantization == "int4":
+        return torch.float32, int4.STORAGE_DTYPE
     return torch.float32, resolve_dtype(dtype, device, checkpoint_dtype)
 
 
