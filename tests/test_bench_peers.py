@@ -1,4 +1,4 @@
-"""bench_peers without the peers: an engine option the engine lacks is a skipped variant, a
+"""`bench peers` without the peers: an engine option the engine lacks is a skipped variant, a
 peer that is not installed is a failed system, and neither sinks the report's other figures."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from test_bench_tools import load_tool
 
 
 def test_rejected_engine_option_is_reported_as_skipped(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
-    peers = load_tool("bench_peers")
+    peers = load_tool("peers")
     monkeypatch.setitem(peers.ENGINE_VARIANTS, "future", {"dtype": "float32", "no_such_option": "int8"})
     spec = {"model": str(tiny_model_dir), "threads": 1, "seed": 0, "token_range": 100, "requests": [[1, 2, 3]],
             "output_len": 2, "prefill_requests": [[4, 5, 6]], "decode_context": 4, "decode_steps": 1,
@@ -21,7 +21,7 @@ def test_rejected_engine_option_is_reported_as_skipped(tmp_path: Path, tiny_mode
 
 
 def test_report_keeps_figures_when_peers_are_missing(tmp_path: Path, capsys) -> None:
-    peers = load_tool("bench_peers")
+    peers = load_tool("peers")
     spec = {"requests": [[1] * 8] * 2, "output_len": 4, "threads": 2, "decode_context": 8, "decode_steps": 2,
             "warmup_steps": 1}
     results = {
@@ -46,7 +46,7 @@ def test_report_keeps_figures_when_peers_are_missing(tmp_path: Path, capsys) -> 
 def test_fma_ceiling_puts_each_system_against_the_workloads_flop_floor(capsys) -> None:
     """Each system's fixed and prefill time over the FLOPs of the work at the FMA ceiling
     measured before it, and what 1.2x vLLM's fixed workload would ask of the engine."""
-    peers = load_tool("bench_peers")
+    peers = load_tool("peers")
     cfg = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}
     args = peers.build_parser().parse_args(["--num-prompts", "2", "--input-len", "8", "--output-len", "4"])

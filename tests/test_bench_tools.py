@@ -3,6 +3,7 @@ and writes a report whose numbers add up (what a user reading it relies on)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -24,11 +25,8 @@ TINY_SIZES = ["--input-len", "8,24", "--output-len", "2,5", "--no-progress"]
 
 
 def load_tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "launch" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module of a `python -m minisgl_mp.bench` subcommand."""
+    return importlib.import_module(f"minisgl_mp.bench.{name}")
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +43,7 @@ def read(path: Path) -> dict[str, Any]:
 
 def test_offline_random_against_both_baselines(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "offline.json"
-    rc = load_tool("bench_offline").main(["--model", str(tiny_model_dir), "--num-prompts", "3", *TINY_SIZES,
+    rc = load_tool("offline").main(["--model", str(tiny_model_dir), "--num-prompts", "3", *TINY_SIZES,
                                           "--hf-batch-sizes", "1,2", "--hf-max-requests", "2",
                                           "--num-threads", "1", "--out", str(out)])
     assert rc == 0
@@ -67,7 +65,7 @@ def test_offline_random_against_both_baselines(tiny_model_dir: Path, tmp_path: P
 
 
 def test_offline_shared_prefix_and_multi_turn_reuse_the_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
-    tool = load_tool("bench_offline")
+    tool = load_tool("offline")
     shared = tmp_path / "shared.json"
     # A small prefill budget: later prompts of a group are admitted after the first is cached.
     assert tool.main(["--model", str(tiny_model_dir), "--workload", "shared-prefix", "--num-groups", "2",
@@ -89,7 +87,7 @@ def test_offline_shared_prefix_and_multi_turn_reuse_the_cache(tiny_model_dir: Pa
 
 def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "floor.json"
-    assert load_tool("bench_offline").main([
+    assert load_tool("floor").main([
         "--model", str(tiny_model_dir), "--decode-floor", "--batch-sizes", "1,3", "--context-len", "16",
         "--decode-steps", "2", "--warmup-steps", "1", "--chain-reps", "2", "--bandwidth-mib", "8",
         "--no-progress", "--out", str(out)]) == 0
@@ -120,7 +118,7 @@ def test_decode_steps_are_all_decodes_when_the_prompts_outgrow_a_prefill_chunk(t
 
 def test_offline_prefill_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "prefill.json"
-    assert load_tool("bench_offline").main([
+    assert load_tool("floor").main([
         "--model", str(tiny_model_dir), "--prefill-floor", "--prompt-len", "64", "--prefill-reps", "1",
         "--no-progress", "--out", str(out)]) == 0
     pf = read(out)["prefill_floor"]
@@ -144,7 +142,7 @@ def test_offline_prefill_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 def test_weight_formats_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "weights.json"
-    assert load_tool("bench_weights").main([
+    assert load_tool("weights").main([
         "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--chain-layers", "1", "--reps", "1",
         "--formats", "float32,int8", "--context", "8", "--steps", "2", "--bandwidth-mib", "8", "--matmul-n", "128",
         "--out", str(out)]) == 0
@@ -163,7 +161,7 @@ def test_weight_formats_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_serving_sweep_over_zmq_writes_report_and_plots(tiny_model_dir: Path, tmp_path: Path) -> None:
     plots = importlib.util.find_spec("matplotlib") is not None
     out = tmp_path / "serving.json"
-    rc = load_tool("bench_serving").main([
+    rc = load_tool("serving").main([
         "--launch", str(tiny_model_dir), "--num-prompts", "4", *TINY_SIZES, "--request-rates", "20,inf",
         "--warmup-requests", "1", "--server-log", str(tmp_path / "server.log"), "--plot-dir", str(tmp_path),
         "--out", str(out), *(() if plots else ("--no-plots",))])
@@ -190,7 +188,7 @@ def test_serving_sweep_over_zmq_writes_report_and_plots(tiny_model_dir: Path, tm
 
 def test_compare_offline_over_openai_http(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
-    rc = load_tool("bench_serving").main([
+    rc = load_tool("serving").main([
         "--compare-offline", "--backend", "openai", "--launch", str(tiny_model_dir), "--max-concurrency", "4",
         "--num-prompts", "4", *TINY_SIZES, "--warmup-requests", "1", "--no-plots",
         "--server-log", str(tmp_path / "server.log"), "--out", str(out)])
@@ -225,26 +223,9 @@ def test_py_spy_summary_and_process_discovery(tmp_path: Path) -> None:
     assert summary["top_self"][1]["function"] == "recv (sugar/socket.py)"
 
 
-def test_prefill_products_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Both paths time the same prompt lengths, past the 256 rows where they part, and the
-    engine's default is back in place afterwards."""
-    if not cpu_kernels.kernel_isa():
-        pytest.skip("no vector build of the C kernels here")
-    from minisgl_mp.layers.linear import Linear
-
-    default = Linear.PANELS_MAX_ROWS
-    out = tmp_path / "prefill.json"
-    assert load_tool("bench_prefill_products").main([
-        "--model", str(tiny_model_dir), "--prompts", "2", "--prompt-len", "150", "--rounds", "2",
-        "--out", str(out)]) == 0
-    res = read(out)["results"]
-    assert len(res["seconds"]["panels"]) == len(res["seconds"]["oneDNN"]) == 2 and res["median_ratio"] > 0
-    assert Linear.PANELS_MAX_ROWS == default
-
-
 def test_decode_plan_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    assert load_tool("bench_decode_plan").main([
+    assert load_tool("decode_plan").main([
         "--model", str(tiny_model_dir), "--formats", "float32,int8", "--batch-sizes", "1,2", "--chunks", "0,24",
         "--context", "8", "--steps", "2", "--rounds", "2", "--out", str(out)]) == 0
     results = read(out)["results"]
@@ -253,7 +234,7 @@ def test_decode_plan_bench(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert [(r["batch"], r["chunk"]) for r in rows] == [(1, 0), (1, 24), (2, 0), (2, 24)]
         assert all(len(r["plan_ms"]) == len(r["modules_ms"]) == 2 and r["median_ratio"] > 0 for r in rows)
     # A step of no decodes and no chunk is no step: refused before loading anything.
-    assert load_tool("bench_decode_plan").main(["--batch-sizes", "0", "--chunks", "0", "--out", str(out)]) == 2
+    assert load_tool("decode_plan").main(["--batch-sizes", "0", "--chunks", "0", "--out", str(out)]) == 2
 
 
 def test_decode_steps_beside_a_prompt_chunk(tiny_model_dir: Path) -> None:
@@ -280,7 +261,7 @@ def test_kernel_ab_prompt_attention(tmp_path: Path) -> None:
                                                    capture_output=True).returncode != 0:
         pytest.skip("needs a C compiler and the git history")
     out = tmp_path / "extend.json"
-    subprocess.run([sys.executable, str(REPO_ROOT / "launch" / "bench_kernel_ab.py"), "--kernel", "extend",
+    subprocess.run([sys.executable, "-m", "minisgl_mp.bench", "kernels", "--kernel", "extend",
                     "--baseline-rev", "HEAD", "--layers", "1", "--repeats", "1", "--out", str(out)],
                    check=True, capture_output=True, timeout=280)
     rows = read(out)["rows"]
@@ -319,3 +300,36 @@ def test_thread_waits_sleeps_and_preemptions(tmp_path: Path) -> None:
         assert used["sched"]["sleeps"] >= 1 and used["sched"]["waiting_cores"] >= 0
         line = proc_profile.sched_line({"offline engine": used})
         assert line is not None and line.startswith("  waiting for a core: offline engine ")
+
+
+def test_one_bench_command_lists_and_runs_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    from minisgl_mp.bench.__main__ import SUBCOMMANDS
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    listing = subprocess.run([sys.executable, "-m", "minisgl_mp.bench", "--help"], capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    for name in SUBCOMMANDS:
+        assert f"\n  {name} " in listing.stdout, name
+    unknown = subprocess.run([sys.executable, "-m", "minisgl_mp.bench", "no-such-bench"], capture_output=True,
+                             text=True, env=env, timeout=60)
+    assert unknown.returncode == 2 and "invalid choice: 'no-such-bench'" in unknown.stderr
+    for name, sub in SUBCOMMANDS.items():  # each module's own flags, under the one command's name
+        with pytest.raises(SystemExit) as done:
+            importlib.import_module(f"minisgl_mp.bench.{sub.module}").main(["--help"])
+        assert done.value.code == 0, name
+        assert capsys.readouterr().out.startswith(f"usage: python -m minisgl_mp.bench {name} "), name
+
+
+def test_spec_bench_answers_equal_plain_decoding(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    assert load_tool("spec").main(["--model", str(tiny_model_dir), "--workloads", "copy,copy-batch",
+                                   "--num-prompts", "2", "--concurrency", "2", "--max-tokens", "8",
+                                   "--no-hf", "--threads", "1", "--out", str(out)]) == 0
+    report = read(out)
+    for workload in ("copy", "copy-batch"):
+        runs = report["results"][workload]
+        assert set(runs) == {"plain", "ngram-k4"}
+        for r in runs.values():
+            assert r["identical"] == r["compared"] > 0 and r["output_tps"] > 0
+        assert report["speedups"][workload]["plain"] == 1.0

@@ -46,9 +46,10 @@ def _resident_bytes() -> int:
 
 @pytest.mark.skipif(not glibc, reason="the settings are glibc's")
 def test_kept_memory_goes_back_to_the_system_when_released() -> None:
-    """A process done with its engine (bench_serving's offline run, before it starts a server
-    beside it) hands the kept pages back: its resident size drops. (Counted in bytes, not in
-    page faults: with transparent huge pages a fresh 96 MiB faults in ~50 times, not 24,576.)"""
+    """A process done with its engine (`bench serving --compare-offline`'s offline run, before it
+    starts a server beside it) hands the kept pages back: its resident size drops. (Counted in
+    bytes, not in page faults: with transparent huge pages a fresh 96 MiB faults in ~50 times,
+    not 24,576.)"""
     assert keep_freed_memory()
     t = torch.empty(96 << 18, dtype=torch.float32)
     t.fill_(1.0)

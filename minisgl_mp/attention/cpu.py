@@ -24,7 +24,7 @@ from minisgl_mp.kvcache.req_table import ReqTable
 
 # Query runs up to this long go to the kernel: its cost grows with queries x keys without the
 # matrix-product blocking of SDPA's flash kernel. Set from the crossover measured against the
-# 4-D sdpa path (launch/bench_attention_crossover.py; docs/benchmarks.md, "Attention backends").
+# 4-D sdpa path (docs/notes/cpu-kernels.md, section 7; its script is in git history).
 KERNEL_MAX_QUERY = 16
 
 

@@ -1,3 +1,3 @@
-"""Benchmark helpers shared by `launch/bench_offline.py` and `launch/bench_serving.py`:
-seeded workloads, the engine and Hugging Face runners, the decode floor, serving clients,
-statistics, JSON reports and plots."""
+"""The benchmarks, one module per `python -m minisgl_mp.bench` subcommand (see __main__.py),
+and what they share: seeded workloads, the engine and Hugging Face runners, the decode floor,
+serving clients, statistics, JSON reports and plots."""

@@ -1,4 +1,5 @@
-"""Workload flags shared by the offline and serving benchmarks, with per-mode defaults.
+"""Flags shared by the `python -m minisgl_mp.bench` subcommands: each one's parser, the
+workload flags of the offline and serving benchmarks (with per-mode defaults), and list types.
 
 A flag left unset takes the workload's default for the mode (full or --quick), so
 `--workload shared-prefix --quick` is a complete, small run and any size can still be set.
@@ -29,6 +30,13 @@ QUICK_DEFAULTS: dict[str, dict[str, Any]] = {
     "multi-turn": {"num_prompts": 4, "num_turns": 3, "system_len": "64", "input_len": "16,64",
                    "output_len": "16,32"},
 }
+
+
+def bench_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """A subcommand's own parser: its usage line names the command a user types, and its help
+    is the module's docstring as written."""
+    return argparse.ArgumentParser(prog=f"python -m minisgl_mp.bench {name}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_workload_args(parser: argparse.ArgumentParser, workloads: tuple[str, ...] = WORKLOADS) -> None:

@@ -35,11 +35,6 @@ def best_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> list[floa
     return times
 
 
-def median_ms(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
-    """Median of `reps` timed calls after `warmup` untimed ones, in milliseconds."""
-    return 1e3 * statistics.median(best_seconds(fn, reps, warmup))
-
-
 def measure_bandwidth(mib: int = 512, reps: int = 5) -> dict[str, float]:
     """GB/s reading a tensor far larger than the caches (sum), and copying it (read + write)."""
     n = mib * 2**20 // 4

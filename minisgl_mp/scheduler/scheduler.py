@@ -44,7 +44,7 @@ from minisgl_mp.scheduler.prefill_budget import MixedPrefillBudget
 from minisgl_mp.scheduler.req import FinishReason, Req, TokenLogprobs
 from minisgl_mp.scheduler.sampler import DeviceSample, SampleResult, Sampler, record_prompt_logprobs
 from minisgl_mp.scheduler.step_failures import FatalSchedulerError, StepFailureMixin, is_device_fatal
-from minisgl_mp.speculative.speculator import NgramSpeculator, Verified
+from minisgl_mp.speculative.speculator import NgramSpeculator, Verified, rank0_verified
 from minisgl_mp.utils.device import host_tensor
 
 __all__ = ["FatalSchedulerError", "LaunchedStep", "ReqOutput", "Scheduler", "SchedulerStats", "is_device_fatal"]
@@ -309,7 +309,7 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
             verified = self.speculator.verify(logits[num_sampled:num_sampled + num_verify], list(batch.verifies),
                                               self.sampler)
             if self.tp is not None:
-                verified = self._rank0_verified(batch, verified)
+                verified = rank0_verified(self.tp, list(batch.verifies), verified)
         self._observe_step(batch, time.perf_counter() - t0)
         positions = []
         verifying = {id(r) for r, _ in batch.verifies}
@@ -319,22 +319,6 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
             if sampled:
                 positions.append(req.seq_len - 1)
         return LaunchedStep(batch, sample, positions, verified)
-
-    def _rank0_verified(self, batch: ScheduledBatch, verified: list[Verified]) -> list[Verified]:
-        """Rank 0's verification on every rank, as for sampled tokens: the ranks drafted the same
-        tokens (from the same histories), and must keep the same ones."""
-        flat = []
-        for (_, draft), v in zip(batch.verifies, verified):
-            flat += [v.accepted, *v.tokens, *[-1] * (len(draft) + 1 - len(v.tokens))]
-        flat = self.tp.broadcast_ints(flat)
-        out, at = [], 0
-        for (_, draft), v in zip(batch.verifies, verified):
-            accepted = flat[at]
-            tokens = flat[at + 1:at + 2 + accepted]
-            at += len(draft) + 2
-            lps = v.logprobs if accepted == v.accepted else [None] * len(tokens)
-            out.append(Verified(tokens, lps, v.drafted, accepted))
-        return out
 
     def _advance(self, req: Req, n: int, prefill: bool, sampled: bool, k: int) -> None:
         """`req` has run `n` more tokens; if it was sampled, its token is the k-th of the step

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl_mp.distributed.group import TPGroup
 from minisgl_mp.kvcache.allocator import PageAllocator
 from minisgl_mp.scheduler.req import Req, TokenLogprobs
 from minisgl_mp.scheduler.sampler import Sampler, argmax_rows, counter_uniform, inverse_cdf
@@ -193,3 +194,20 @@ def release_rejected(req: Req, table: torch.Tensor, allocator: PageAllocator) ->
     if req.alloc_len > keep:
         allocator.free_slots(table[req.row, keep:req.alloc_len].clone())
         req.alloc_len = keep
+
+
+def rank0_verified(tp: TPGroup, entries: list[tuple[Req, list[int]]], verified: list[Verified]) -> list[Verified]:
+    """Rank 0's verification on every rank, as for sampled tokens: the ranks drafted the same
+    tokens (from the same histories), and must keep the same ones."""
+    flat = []
+    for (_, draft), v in zip(entries, verified):
+        flat += [v.accepted, *v.tokens, *[-1] * (len(draft) + 1 - len(v.tokens))]
+    flat = tp.broadcast_ints(flat)
+    out, at = [], 0
+    for (_, draft), v in zip(entries, verified):
+        accepted = flat[at]
+        tokens = flat[at + 1:at + 2 + accepted]
+        at += len(draft) + 2
+        lps = v.logprobs if accepted == v.accepted else [None] * len(tokens)
+        out.append(Verified(tokens, lps, v.drafted, accepted))
+    return out

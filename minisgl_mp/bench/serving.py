@@ -1,11 +1,11 @@
 """Online serving benchmark: latency and throughput of a running server, streaming every request.
 
-    python launch/bench_serving.py --quick                   # starts models/qwen3-tiny, sweeps 3 rates
-    python launch/bench_serving.py --launch models/qwen3-tiny --request-rates 1,2,4,inf
-    python launch/bench_serving.py --endpoint tcp://127.0.0.1:30001 --tokenizer models/qwen3-tiny
-    python launch/bench_serving.py --backend openai --base-url http://127.0.0.1:8000/v1 \\
+    python -m minisgl_mp.bench serving --quick                   # starts models/qwen3-tiny, sweeps 3 rates
+    python -m minisgl_mp.bench serving --launch models/qwen3-tiny --request-rates 1,2,4,inf
+    python -m minisgl_mp.bench serving --endpoint tcp://127.0.0.1:30001 --tokenizer models/qwen3-tiny
+    python -m minisgl_mp.bench serving --backend openai --base-url http://127.0.0.1:8000/v1 \\
         --model-name Qwen/Qwen3-0.6B --tokenizer <its folder> --prompt-format text   # vLLM, SGLang
-    python launch/bench_serving.py --compare-offline --launch models/qwen3-tiny \\
+    python -m minisgl_mp.bench serving --compare-offline --launch models/qwen3-tiny \\
         --max-concurrency 64 --num-prompts 256               # process overhead: server vs offline
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), optionally capped at
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from minisgl_mp.bench import plots
-from minisgl_mp.bench.cli import add_workload_args, token_range_of, workload_from_args
+from minisgl_mp.bench.cli import add_workload_args, bench_parser, token_range_of, workload_from_args
 from minisgl_mp.bench.proc_profile import ProcessMeter, PySpy, sched_line, server_processes
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.bench.server_proc import LaunchedServer, launch_server
@@ -52,7 +52,7 @@ def rate_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("serving", __doc__)
     p.add_argument("--quick", action="store_true", help=f"small run; starts {QUICK_MODEL} unless a server is "
                    f"given, sweeps rates {QUICK_RATES}")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and not (args.launch or args.endpoint or args.base_url):
         args = argparse.Namespace(**{**vars(args), "launch": QUICK_MODEL})
     if args.compare_offline and not args.launch:
-        print("bench_serving: --compare-offline needs --launch MODEL (the offline engine runs that model)", file=sys.stderr)
+        print("bench serving: --compare-offline needs --launch MODEL (the offline engine runs that model)", file=sys.stderr)
         return 2
     rates = ([math.inf] if args.compare_offline else args.request_rates
              or (rate_list(QUICK_RATES) if args.quick and args.request_rate == math.inf else [args.request_rate]))
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = asyncio.run(go())
     except (ValueError, RuntimeError) as e:
-        print(f"bench_serving: {e}", file=sys.stderr)
+        print(f"bench serving: {e}", file=sys.stderr)
         return 1
     finally:
         if server is not None:

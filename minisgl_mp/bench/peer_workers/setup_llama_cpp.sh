@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp from the sources vendored in PyPI's `llama-cpp-python` sdist (PyPI is the
 # only registry reachable here; only it from source, so its build tools come as wheels), Release, tuned to this CPU (GGML_NATIVE).
-# Usage: launch/peers/setup_llama_cpp.sh [DIR] (default .peers).
+# Usage: minisgl_mp/bench/peer_workers/setup_llama_cpp.sh [DIR] (default .peers).
 set -euo pipefail
 PEERS=${1:-.peers}
 PY=${PY:-python3}

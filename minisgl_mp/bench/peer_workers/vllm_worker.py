@@ -1,7 +1,7 @@
-"""One vLLM-CPU run of bench_peers' measures, in vLLM's own venv (imports only vllm and the
+"""One vLLM-CPU run of `bench peers`' measures, in vLLM's own venv (imports only vllm and the
 standard library, so it needs nothing of ours).
 
-    .peers/vllm-venv/bin/python launch/peers/vllm_worker.py SPEC.json OUT.json
+    .peers/vllm-venv/bin/python minisgl_mp/bench/peer_workers/vllm_worker.py SPEC.json OUT.json
 
 SPEC: {"model", "threads", "requests": [[ids...], ...], "output_len", "prefill_requests",
 "decode_batch_sizes", "decode_context", "decode_steps", "warmup_steps", "token_range", "seed",

@@ -1,9 +1,9 @@
 """What the scheduler itself costs a step: batch 64 decoding, with and without a long queue.
 
-    python launch/bench_scheduler.py                              # generated model, 0 and 1,000 waiting
-    python launch/bench_scheduler.py --model Qwen3-0.6B --steps 10
+    python -m minisgl_mp.bench scheduler                              # generated model, 0 and 1,000 waiting
+    python -m minisgl_mp.bench scheduler --model Qwen3-0.6B --steps 10
 
-The engine runs in-process (as bench_offline). `--batch` requests are admitted and brought to
+The engine runs in-process (as `bench offline`). `--batch` requests are admitted and brought to
 decoding; `--waiting` more are queued behind them, which the running limit (`--batch`) keeps out.
 Then `--steps` decode steps are timed, and each step split into its phases by timing the
 scheduler's own methods: scheduling (choosing the batch, KV slots, page table, input tensors),
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from minisgl_mp.bench.checkpoints import prepare_model
+from minisgl_mp.bench.cli import bench_parser
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.llm import LLM
 from minisgl_mp.sampling_params import SamplingParams
@@ -33,9 +34,9 @@ PHASES = ("schedule", "forward", "sample", "process")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("scheduler", __doc__)
     p.add_argument("--model", default="models/qwen3-tiny", help="folder or configs/models short name")
-    p.add_argument("--load-format", choices=("auto", "dummy"), help="as bench_offline")
+    p.add_argument("--load-format", choices=("auto", "dummy"), help="as bench offline")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("bench_results/checkpoints"))
     p.add_argument("--batch", type=int, default=64, help="requests decoding (also the running limit)")
     p.add_argument("--waiting", default="0,1000", help="queue lengths to measure, comma-separated")

@@ -1,8 +1,8 @@
 """Weight formats on the CPU: how fast their products and a batch-1 decode step run, against the
 memory's read rate measured in the same run.
 
-    python launch/bench_weights.py --out bench_results/weights.json
-    python launch/bench_weights.py --batch-sizes 1,4,8 --formats float32,int8 --no-engine   # products only
+    python -m minisgl_mp.bench weights --out bench_results/weights.json
+    python -m minisgl_mp.bench weights --batch-sizes 1,4,8 --formats float32,int8 --no-engine   # products only
 
 1. Products on the Qwen3-0.6B shapes (`--chain-layers` layers' qkv, o, gate_up and down, then
    the LM head: distinct tensors, far larger than the caches), per stored format and batch size:
@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from minisgl_mp.bench.cli import bench_parser
 from minisgl_mp.bench.decode_floor import best_seconds, engine_decode_steps, measure_bandwidth, measure_matmul
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.layers.linear import Linear
@@ -188,7 +189,7 @@ def measure_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("weights", __doc__)
     p.add_argument("--model", default="Qwen3-0.6B", help="config name or folder (random weights of its shape)")
     p.add_argument("--formats", default="float32,float16,bfloat16,int8",
                    help=f"stored weight formats, of {list(FORMATS)}")
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if products:
         print("kernel crossover (largest batch where it wins): " + ", ".join(f"{k} {v}" for k, v in cross.items()))
     engine = measure_engine(args) if args.engine else []
-    report = {"command": "launch/bench_weights.py", "args": {k: v for k, v in vars(args).items() if k != "out"},
+    report = {"command": "python -m minisgl_mp.bench weights", "args": {k: v for k, v in vars(args).items() if k != "out"},
               "cpu": info, "bandwidth": bw, "matmul": mm, "products": products, "kernel_crossover": cross,
               "engine_batch1": engine}
     if args.out:

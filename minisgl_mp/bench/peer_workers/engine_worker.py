@@ -1,8 +1,8 @@
-"""One run of bench_peers' measures on our engine, in a process of its own.
+"""One run of `bench peers`' measures on our engine, in a process of its own.
 
-    python launch/peers/engine_worker.py SPEC.json OUT.json
+    python minisgl_mp/bench/peer_workers/engine_worker.py SPEC.json OUT.json
 
-SPEC is what bench_peers writes (see vllm_worker.py for its fields) plus "engine": keyword
+SPEC is what `bench peers` writes (see vllm_worker.py for its fields) plus "engine": keyword
 arguments for `LLM` (dtype, quantization, ...). An option this engine does not know (an older
 tree without --quantization, say) is reported as {"skipped": why}, with exit status 0, so one
 variant cannot sink the others.

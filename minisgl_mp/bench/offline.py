@@ -1,11 +1,9 @@
 """Offline throughput: the engine against Hugging Face transformers on the same requests.
 
-    python launch/bench_offline.py --quick                   # small shape, ~3 minutes on 2 cores
-    python launch/bench_offline.py                           # Qwen3-0.6B shape, the issue's workload (long)
-    python launch/bench_offline.py --workload shared-prefix --compare-naive --quick
-    python launch/bench_offline.py --workload multi-turn --quick
-    python launch/bench_offline.py --decode-floor --batch-sizes 1,64 --context-len 256
-    python launch/bench_offline.py --prefill-floor --prompt-len 2048
+    python -m minisgl_mp.bench offline --quick                # small shape, ~3 minutes on 2 cores
+    python -m minisgl_mp.bench offline                        # Qwen3-0.6B shape, the issue's workload (long)
+    python -m minisgl_mp.bench offline --workload shared-prefix --compare-naive --quick
+    python -m minisgl_mp.bench offline --workload multi-turn --quick
 
 The engine runs every request of the workload in one batch of work (one round per turn for
 multi-turn); the baselines then run in the same process on the same requests: transformers
@@ -14,10 +12,7 @@ request's own output counts), and transformers' continuous batching. Both load t
 weights (see minisgl_mp/bench/checkpoints.py), in float32, greedy, ignoring EOS.
 Baselines may be capped (--hf-max-requests) to fit in time: the ratios compare per-token
 rates, which a smaller run of the same workload still measures (less batching helps neither).
---decode-floor instead compares one engine decode step with its bare matrix products and with
-the machine's bandwidth and FLOP/s floors (see minisgl_mp/bench/decode_floor.py).
---prefill-floor times one long prompt's prefill (one step) against its matrix-product FLOPs at
-the matmul rate measured in the same run, and against the bare chain of its layer products.
+The decode and prefill floors, with the same model and engine flags, are `bench floor`.
 """
 
 from __future__ import annotations
@@ -27,13 +22,12 @@ import gc
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from minisgl_mp.bench import decode_floor
 from minisgl_mp.bench.checkpoints import BenchModel, prepare_model
-from minisgl_mp.bench.cli import add_workload_args, int_list, token_range_of, workload_from_args
+from minisgl_mp.bench.cli import add_workload_args, bench_parser, int_list, token_range_of, workload_from_args
 from minisgl_mp.bench.hf_baselines import HFContinuous, HFStatic, load_hf_model
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.bench.runs import run_engine, run_workload
@@ -45,12 +39,12 @@ FULL_MODEL, QUICK_MODEL = "Qwen3-0.6B", "qwen3-bench-small"
 ENGINE_DEFAULTS = EngineConfig(model="-")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser, out_help: str) -> None:
+    """The flags `offline` and `floor` share: the run, the model and the engine."""
     p.add_argument("--quick", action="store_true", help=f"small run: the {QUICK_MODEL} shape "
                    "(configs/models), fewer requests and baseline batch sizes")
     p.add_argument("--seed", type=int, default=0, help="workload, dummy-weight and sampling seed")
-    p.add_argument("--out", type=Path, help="JSON report (default: bench_results/offline_<workload>.json)")
+    p.add_argument("--out", type=Path, help=out_help)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", help=f"folder or short name (default: {FULL_MODEL}, quick: {QUICK_MODEL})")
@@ -74,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
     m.add_argument("--prefault-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="touch the whole KV pool before timing (the engine's --cpu-prefault-kv)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = bench_parser("offline", __doc__)
+    add_model_args(p, "JSON report (default: bench_results/offline_<workload>.json)")
     add_workload_args(p)
     h = p.add_argument_group("baselines")
     h.add_argument("--hf-batch-sizes", type=int_list, help="static batch sizes (default 1,8,32,64; quick 1,8,16)")
@@ -83,18 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run transformers' continuous batching (default: on)")
     h.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baselines")
     h.add_argument("--compare-naive", action="store_true", help="also run the engine with --cache-type naive")
-    f = p.add_argument_group("--decode-floor")
-    f.add_argument("--decode-floor", action="store_true", help="measure decode step vs matmul chain and floors")
-    f.add_argument("--batch-sizes", type=int_list, help="decoding requests per step (default 1,64; quick 1,16)")
-    f.add_argument("--context-len", type=int, help="prompt tokens of each decoding request (default 256; quick 128)")
-    f.add_argument("--decode-steps", type=int, help="timed steps per batch size (default 20; quick 8)")
-    f.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps first")
-    f.add_argument("--chain-reps", type=int, default=10, help="timed runs of each matmul chain")
-    f.add_argument("--bandwidth-mib", type=int, default=512, help="tensor size for the bandwidth test")
-    g = p.add_argument_group("--prefill-floor")
-    g.add_argument("--prefill-floor", action="store_true", help="measure a long prefill vs its FLOPs at the matmul rate")
-    g.add_argument("--prompt-len", type=int, help="prompt tokens (default 2048; quick 512)")
-    g.add_argument("--prefill-reps", type=int, default=3, help="timed prefills (after one untimed)")
     return p
 
 
@@ -197,72 +184,9 @@ def print_throughput(report: dict[str, Any]) -> None:
         print(f"  {k}: {v:.2f}" if isinstance(v, float) else f"  {k}: {v}")
 
 
-def floor_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
-    sizes = pick(args.batch_sizes, [1, 64], [1, 16], args)
-    context, steps = pick(args.context_len, 256, 128, args), pick(args.decode_steps, 20, 8, args)
-    per_req = context + args.warmup_steps + steps + 8
-    kw = engine_kwargs(args, model, args.cache_type)
-    kw |= {"max_running_requests": max(sizes), "num_pages": args.num_pages or -(-max(sizes) * per_req // args.page_size)}
-    llm = LLM(model.engine_model, **kw)
-    token_range = token_range_of(llm.tokenizer, llm.scheduler.runner.model_config.vocab_size)
-    print("measuring memory bandwidth and matmul FLOP/s", flush=True)
-    bw, mm = decode_floor.measure_bandwidth(args.bandwidth_mib), decode_floor.measure_matmul()
-    rows = decode_floor.measure(llm, sizes, context, steps, args.warmup_steps, args.chain_reps, token_range,
-                                args.seed, bw, mm, args.progress)
-    print(f"read bandwidth {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s, "
-          f"matmul {mm['gflops']:.1f} GFLOP/s")
-    print(table(["batch", "step ms", "chain(engine Linear) ms", "chain(F.linear) ms", "chain(oneDNN) ms", "floor bw ms",
-                 "floor flops ms", "step/chain", "step/chain F", "step/floor"],
-                [[r["batch"], r["step_ms"]["median"], r["chain_engine_linear_ms"], r["chain_f_linear_ms"],
-                  "-" if r["chain_onednn_ms"] is None else r["chain_onednn_ms"],
-                  r["floor_bandwidth_ms"], r["floor_flops_ms"], r["ratios"]["step_over_chain_engine_linear"],
-                  r["ratios"]["step_over_chain_f_linear"], r["ratios"]["step_over_floor"]] for r in rows]))
-    return {"decode_floor": {"context_len": context, "decode_steps": steps, "warmup_steps": args.warmup_steps,
-                             "engine_overrides": {k: kw[k] for k in ("max_running_requests", "num_pages")},
-                             "bandwidth": bw, "matmul": mm, "rows": rows}}
-
-
-def prefill_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
-    prompt_len = pick(args.prompt_len, 2048, 512, args)
-    kw = engine_kwargs(args, model, args.cache_type)
-    kw |= {"max_prefill_tokens": max(prompt_len, args.max_prefill_tokens or 0), "max_running_requests": 1,
-           "num_pages": args.num_pages or -(-(prompt_len + 8) // args.page_size)}
-    llm = LLM(model.engine_model, **kw)
-    token_range = token_range_of(llm.tokenizer, llm.scheduler.runner.model_config.vocab_size)
-    print("measuring matmul FLOP/s", flush=True)
-    mm = decode_floor.measure_matmul()
-    row = decode_floor.measure_prefill(llm, prompt_len, args.prefill_reps, token_range, args.seed, mm)
-    peak = mm["fma_peak_gflops"]
-    print(f"matmul {mm['gflops']:.1f} GFLOP/s"
-          + (f"; FMA ceiling {peak:.1f} GFLOP/s: the matmul at {mm['matmul_share_of_peak']:.0%} of it, the layer "
-             f"products at {row['layer_products_share_of_fma_peak']:.0%}" if peak else ""))
-    print(table(["prompt", "prefill ms", "tok/s", "GFLOP/s", "floor ms", "layer products ms", "prefill/floor",
-                 "attention share"],
-                [[prompt_len, row["prefill_ms"]["median"], row["prefill_tps"], row["gflops_achieved"],
-                  row["floor_flops_ms"], row["chain_layer_products_ms"], row["ratios"]["prefill_over_floor_flops"],
-                  row["attention_share_of_flops"]]]))
-    return {"prefill_floor": {"engine_overrides": {k: kw[k] for k in ("max_prefill_tokens", "num_pages")},
-                              "matmul": mm, **row}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    name = pick(args.model, FULL_MODEL, QUICK_MODEL, args)
-    start = time.perf_counter()
-    try:
-        model = prepare_model(name, args.load_format, args.checkpoint_dir, args.seed, args.write_checkpoint)
-        print(f"model {name}: {model.note}", flush=True)
-        if args.prefill_floor:
-            body = prefill_report(args, model)
-        else:
-            body = floor_report(args, model) if args.decode_floor else throughput(args, model)
-    except ValueError as e:
-        print(f"bench_offline: {e}", file=sys.stderr)
-        return 2
-    mode = ("prefill_floor" if args.prefill_floor else "decode_floor" if args.decode_floor
-            else args.workload.replace("-", "_"))
+def write_report(args: argparse.Namespace, argv: list[str] | None, name: str, model: BenchModel, mode: str,
+                 body: dict[str, Any], start: float) -> Path:
+    """The report `offline` and `floor` write: the run, the model, the engine, the machine, the body."""
     report = {"mode": mode, "quick": args.quick, "argv": sys.argv[1:] if argv is None else argv,
               "model": {"name": name, **model.to_dict(), "quick_shape": args.quick and args.model is None},
               "engine": engine_kwargs(args, model, args.cache_type), "machine": machine_info(), **body,
@@ -272,12 +196,35 @@ def main(argv: list[str] | None = None) -> int:
               "wall_seconds": time.perf_counter() - start}
     if args.quick and args.model is None:
         print(f"quick mode: the {QUICK_MODEL} shape (configs/models/{QUICK_MODEL}.json), not Qwen3-0.6B")
-    if not (args.decode_floor or args.prefill_floor):
+    if mode not in ("decode_floor", "prefill_floor"):
         print_throughput(report)
     out = write_json(args.out or Path(f"bench_results/offline_{mode}.json"), report)
     print(f"wrote {out} ({report['wall_seconds']:.0f}s)")
+    return out
+
+
+def run_tool(tool: str, args: argparse.Namespace, argv: list[str] | None, mode: str,
+             body: Callable[[argparse.Namespace, BenchModel], dict[str, Any]]) -> int:
+    """The run `offline` and `floor` share: threads, the model prepared, `body`'s figures
+    written as `mode`'s report; a model or workload it cannot run exits 2 with the reason."""
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    name = pick(args.model, FULL_MODEL, QUICK_MODEL, args)
+    start = time.perf_counter()
+    try:
+        model = prepare_model(name, args.load_format, args.checkpoint_dir, args.seed, args.write_checkpoint)
+        print(f"model {name}: {model.note}", flush=True)
+        figures = body(args, model)
+    except ValueError as e:
+        print(f"bench {tool}: {e}", file=sys.stderr)
+        return 2
+    write_report(args, argv, name, model, mode, figures, start)
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_tool("offline", args, argv, args.workload.replace("-", "_"), throughput)
 
 if __name__ == "__main__":
     sys.exit(main())

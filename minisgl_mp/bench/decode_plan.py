@@ -1,9 +1,9 @@
 """Steps with their layers in one C call (engine/cpu_decode.py) against the same steps through
 the modules, in one process, the two taking turns on the same requests.
 
-    python launch/bench_decode_plan.py --out bench_results/decode_plan.json
-    python launch/bench_decode_plan.py --formats float16,int8 --batch-sizes 1 --rounds 5
-    python launch/bench_decode_plan.py --model models/qwen3-tiny --formats float32 --batch-sizes 8,32 \
+    python -m minisgl_mp.bench decode-plan --out bench_results/decode_plan.json
+    python -m minisgl_mp.bench decode-plan --formats float16,int8 --batch-sizes 1 --rounds 5
+    python -m minisgl_mp.bench decode-plan --model models/qwen3-tiny --formats float32 --batch-sizes 8,32 \
         --chunks 0,32,256
 
 Per weight format, batch size and chunk: the median step (exactly B requests decoding at
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_mp.bench.checkpoints import prepare_model
-from minisgl_mp.bench.cli import count_list
+from minisgl_mp.bench.cli import bench_parser, count_list
 from minisgl_mp.bench.decode_floor import engine_decode_steps
 from minisgl_mp.bench.report import machine_info, table, write_json
 from minisgl_mp.llm import LLM
@@ -34,7 +34,7 @@ FORMATS = {"float32": {}, "float16": {"dtype": "float16"}, "bfloat16": {"dtype":
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("decode-plan", __doc__)
     p.add_argument("--model", default="Qwen3-0.6B", help="folder or configs/models short name (default: Qwen3-0.6B)")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("bench_results/checkpoints"))
     p.add_argument("--seed", type=int, default=0)
@@ -76,12 +76,12 @@ def measure(llm: LLM, batch_sizes: list[int], chunks: list[int], context: int, s
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not any(args.batch_sizes) and not any(args.chunks):
-        print("bench_decode_plan: a step of 0 decodes needs a chunk > 0 (--batch-sizes 0 with --chunks 0)",
+        print("bench decode-plan: a step of 0 decodes needs a chunk > 0 (--batch-sizes 0 with --chunks 0)",
               file=sys.stderr)
         return 2
     bad = [f for f in args.formats if f not in FORMATS]
     if bad:
-        print(f"bench_decode_plan: unknown formats {bad}; choose from {', '.join(FORMATS)}", file=sys.stderr)
+        print(f"bench decode-plan: unknown formats {bad}; choose from {', '.join(FORMATS)}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     model = prepare_model(args.model, None, args.checkpoint_dir, args.seed)

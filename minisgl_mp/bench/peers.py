@@ -1,10 +1,10 @@
 """The engine beside the engines a CPU user would pick instead: vLLM's CPU build and llama.cpp.
 
     make bench-peers                                   # installs the peers, then runs this
-    python launch/bench_peers.py                       # Qwen3-0.6B shape, every system (long)
-    python launch/bench_peers.py --systems engine,llama-f32 --decode-batch-sizes 1
-    python launch/bench_peers.py --engine-variants float32,float16,int8 --gguf-types f32,f16,q8_0
-    python launch/bench_peers.py --model models/SmolLM2-135M-Instruct --input-len 128 --output-len 64 \
+    python -m minisgl_mp.bench peers                       # Qwen3-0.6B shape, every system (long)
+    python -m minisgl_mp.bench peers --systems engine,llama-f32 --decode-batch-sizes 1
+    python -m minisgl_mp.bench peers --engine-variants float32,float16,int8 --gguf-types f32,f16,q8_0
+    python -m minisgl_mp.bench peers --model models/SmolLM2-135M-Instruct --input-len 128 --output-len 64 \
         --engine-variants float32,int8,int4 --gguf-types f32,q8_0,q4_1 --variant-measures fixed,decode
 
 One run, one checkpoint (by default a random Qwen3-0.6B-shaped one written by our make_model
@@ -16,9 +16,9 @@ other, so none shares threads or caches with another. Per system:
 - prefill: 32 x 256-token prompts at once, prompt tok/s;
 - decode: the median step with exactly B requests decoding at a 256-token context, ms.
 How each is measured:
-- engine (launch/peers/engine_worker.py): Scheduler.step with token ids, as bench_offline;
+- engine (minisgl_mp/bench/peer_workers/engine_worker.py): Scheduler.step with token ids, as `bench offline`;
   decode steps timed one by one (minisgl_mp/bench/decode_floor.engine_decode_steps).
-- vllm (launch/peers/vllm_worker.py, in .peers/vllm-venv): LLM.generate with token ids for
+- vllm (peer_workers/vllm_worker.py, in .peers/vllm-venv): LLM.generate with token ids for
   fixed and prefill (prefix caching off); decode steps timed one by one through
   llm_engine.step() with the engine core in-process. Its start-up compile is not timed.
 - llama-<type> (.peers/llama-build/bin/llama-batched-bench, the checkpoint converted with
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,12 +49,12 @@ import torch
 
 from minisgl_mp.bench import decode_floor, plots
 from minisgl_mp.bench.checkpoints import prepare_model
-from minisgl_mp.bench.cli import int_list
+from minisgl_mp.bench.cli import bench_parser, int_list
+from minisgl_mp.bench.llama_cpp import REPO, WORKERS, llama_run, run_logged
 from minisgl_mp.bench.report import fmt, machine_info, ratio, table, write_json
 from minisgl_mp.bench.workloads import LengthRange, random_workload
 from minisgl_mp.kernels import cpu as cpu_kernels
 
-REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float16"},
                    "bfloat16": {"dtype": "bfloat16"}, "int8": {"dtype": "float32", "quantization": "int8"},
                    # bfloat16 weights widened to float32 on a CPU with AMX (docs/benchmarks.md s.22)
@@ -87,9 +86,9 @@ def csv(choices: tuple[str, ...] | dict[str, Any]):  # argparse type
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("peers", __doc__)
     p.add_argument("--model", default="Qwen3-0.6B", help="folder or configs/models short name (default: Qwen3-0.6B)")
-    p.add_argument("--load-format", choices=("auto", "dummy"), help="as bench_offline (default: a checkpoint if found, "
+    p.add_argument("--load-format", choices=("auto", "dummy"), help="as bench offline (default: a checkpoint if found, "
                    "else a random one written once)")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("bench_results/checkpoints"))
     p.add_argument("--seed", type=int, default=0)
@@ -130,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def token_range(model_dir: Path, vocab_size: int) -> int:
-    """Prompt ids are drawn from the tokenizer's ordinary tokens, as bench_offline's are."""
+    """Prompt ids are drawn from the tokenizer's ordinary tokens, as bench offline's are."""
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.exists():
         return vocab_size
@@ -155,18 +154,6 @@ def make_spec(args: argparse.Namespace, model_dir: Path, vocab_size: int) -> dic
             "kv_cache_gib": args.vllm_kv_gib, "vllm_eager": args.vllm_eager}
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
-    """Runs cmd with its output in `log`; (exit status or None on timeout, the log's tail)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w", encoding="utf-8") as f:
-        try:
-            rc: int | None = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
-                                            env={**os.environ, **(env or {})}).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    return rc, log.read_text(encoding="utf-8", errors="replace")[-1500:]
-
-
 def python_worker(name: str, python: str, script: str, spec: dict[str, Any], work: Path,
                   timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
@@ -187,7 +174,7 @@ def engine_run(variant: str, spec: dict[str, Any], measures: list[str], batches:
          "measures": measures, "decode_batch_sizes": batches}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(spec["threads"])}
-    return python_worker(f"engine-{variant}", sys.executable, str(REPO / "launch/peers/engine_worker.py"),
+    return python_worker(f"engine-{variant}", sys.executable, str(WORKERS / "engine_worker.py"),
                          s, work, timeout, env)
 
 
@@ -195,99 +182,10 @@ def vllm_run(spec: dict[str, Any], measures: list[str], batches: list[int], peer
              work: Path, timeout: float, dtype: str = "float32") -> dict[str, Any]:
     python = peers / "vllm-venv/bin/python"
     if not python.exists():
-        return {"error": f"{python} missing: run `make bench-peers-setup` (or launch/peers/setup_vllm.sh)"}
+        return {"error": f"{python} missing: run `make bench-peers-setup` (or minisgl_mp/bench/peer_workers/setup_vllm.sh)"}
     s = {**spec, "measures": measures, "decode_batch_sizes": batches, "dtype": dtype}
     name = "vllm" if dtype == "float32" else f"vllm-{dtype}"
-    return python_worker(name, str(python), str(REPO / "launch/peers/vllm_worker.py"), s, work, timeout)
-
-
-def gguf_type(file: Path) -> str:
-    """A GGUF file's weight type as convert_hf_to_gguf names it (f32, q8_0, q4_1, ...)."""
-    from gguf import GGUFReader, LlamaFileType
-
-    ft = GGUFReader(str(file)).fields["general.file_type"].contents()
-    return LlamaFileType(ft).name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
-
-
-def gguf_file(model_dir: Path, gtype: str, peers: Path, timeout: float,
-              source: Path | None = None) -> tuple[Path | None, str | None]:
-    """The GGUF file llama.cpp runs: the model's own (`source`) when it is of that type, else
-    one converted from the float32 checkpoint by llama.cpp's converter."""
-    if source is not None and gguf_type(source) == gtype:
-        return source, None
-    if gtype.startswith("q4_"):
-        return None, f"{gtype}: only the model's own GGUF file is run at that type (the converter writes none)"
-    out = peers / "gguf" / f"{model_dir.name}-{gtype}.gguf"
-    if out.exists():
-        return out, None
-    tmp = out.with_name(out.name + ".part")
-    rc, tail = run_logged([sys.executable, str(REPO / "launch/peers/convert_gguf.py"), str(peers / "llama.cpp"),
-                           str(model_dir), "--outtype", gtype, "--outfile", str(tmp)],
-                          peers / "gguf" / f"{out.stem}.log", timeout)
-    if rc != 0:
-        return None, f"convert_hf_to_gguf ({'timed out' if rc is None else f'exit {rc}'}): ...{tail[-600:]}"
-    os.replace(tmp, out)
-    return out, None
-
-
-def batched_bench(binary: Path, gguf: Path, threads: int, npp: int, ntg: int, npl: list[int], log: Path,
-                  timeout: float) -> list[dict[str, Any]]:
-    cmd = [str(binary), "-m", str(gguf), "-c", str(max(npl) * (npp + ntg) + 64), "-b", "2048", "-ub", "512",
-           "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-t", str(threads),
-           "-tb", str(threads), "--output-format", "jsonl"]
-    rc, _ = run_logged(cmd, log, timeout)
-    text = log.read_text(encoding="utf-8", errors="replace")
-    if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {'timed out' if rc is None else f'exit {rc}'}: ...{text[-600:]}")
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"speed_tg"' in line]
-
-
-def llama_bench(binary: Path, gguf: Path, threads: int, n_gen: int, log: Path, timeout: float) -> dict[str, Any]:
-    """llama-bench's batch-1 generation (tg): its mean tokens per second over its repetitions."""
-    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", "3", "-o", "jsonl"]
-    rc, _ = run_logged(cmd, log, timeout)
-    text = log.read_text(encoding="utf-8", errors="replace")
-    if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {'timed out' if rc is None else f'exit {rc}'}: ...{text[-600:]}")
-    row = next(json.loads(line) for line in text.splitlines() if line.startswith("{") and '"avg_ts"' in line)
-    return {"n_gen": row["n_gen"], "tok_s": row["avg_ts"], "step_ms": 1e3 / row["avg_ts"], "llama_bench": row}
-
-
-def llama_run(gtype: str, model_dir: Path, spec: dict[str, Any], measures: list[str], batches: list[int],
-              peers: Path, work: Path, timeout: float, source: Path | None = None) -> dict[str, Any]:
-    binary = peers / "llama-build/bin/llama-batched-bench"
-    if not binary.exists():
-        return {"error": f"{binary} missing: run `make bench-peers-setup` (or launch/peers/setup_llama_cpp.sh)"}
-    start = time.perf_counter()
-    gguf, why = gguf_file(model_dir, gtype, peers, timeout, source)
-    if gguf is None:
-        return {"error": why}
-    src = sorted(peers.glob("src/llama_cpp_python-*/"))
-    result: dict[str, Any] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
-                              "source": src[-1].name if src else None, "kv_cache": "f16 (llama.cpp default)"}
-    n, inp, out, t = len(spec["requests"]), len(spec["requests"][0]), spec["output_len"], spec["threads"]
-    try:
-        if "fixed" in measures or "prefill" in measures:
-            row = batched_bench(binary, gguf, t, inp, out, [n], work / f"llama-{gtype}-fixed.log", timeout)[0]
-            if "fixed" in measures:
-                result["fixed"] = {"seconds": row["t"], "output_tokens": n * out, "input_tokens": n * inp,
-                                   "output_tps": n * out / row["t"], "batched_bench": row}
-            if "prefill" in measures:
-                result["prefill"] = {"seconds": row["t_pp"], "tokens": n * inp, "tps": row["speed_pp"]}
-        if "decode" in measures:
-            steps = spec["warmup_steps"] + spec["decode_steps"]
-            rows = batched_bench(binary, gguf, t, spec["decode_context"], steps, batches,
-                                 work / f"llama-{gtype}-decode.log", timeout)
-            result["decode"] = [{"batch": r["pl"], "step_ms": 1e3 * r["t_tg"] / r["tg"], "steps": r["tg"],
-                                 "batched_bench": r} for r in rows]
-            bench = peers / "llama-build/bin/llama-bench"
-            if 1 in batches and bench.exists():
-                result["batch1_llama_bench"] = llama_bench(bench, gguf, t, 128, work / f"llama-{gtype}-bench.log",
-                                                           timeout)
-    except (RuntimeError, IndexError, json.JSONDecodeError) as e:
-        result["error"] = str(e)
-    result["wall_s"] = time.perf_counter() - start
-    return result
+    return python_worker(name, str(python), str(WORKERS / "vllm_worker.py"), s, work, timeout)
 
 
 def figures(r: dict[str, Any]) -> dict[str, float | None]:
@@ -393,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)  # for the FMA ceiling, measured with the systems' threads
     model = prepare_model(args.model, args.load_format, args.checkpoint_dir, args.seed)
     if not model.same_weights or model.hf_weights_dir is None:
-        print("bench_peers: the peers need a checkpoint on disk (no --load-format dummy without one)", file=sys.stderr)
+        print("bench peers: the peers need a checkpoint on disk (no --load-format dummy without one)", file=sys.stderr)
         return 2
     model_dir = Path(model.hf_weights_dir)
     source = None
