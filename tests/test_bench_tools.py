@@ -105,6 +105,26 @@ def test_offline_decode_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert all(v > 0 for v in row["ratios"].values())
 
 
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_decode_floor_of_a_stored_format_counts_its_stored_bytes(tiny_model_dir: Path, tmp_path: Path,
+                                                                 quantization: str) -> None:
+    def rows(*extra: str) -> list[dict[str, Any]]:
+        out = tmp_path / f"floor{len(extra)}.json"
+        assert load_tool("floor").main([
+            "--model", str(tiny_model_dir), "--batch-sizes", "1", "--context-len", "16", "--decode-steps", "2",
+            "--warmup-steps", "1", "--chain-reps", "2", "--bandwidth-mib", "8", "--no-progress", "--out", str(out),
+            *extra]) == 0
+        return read(out)["decode_floor"]["rows"]
+
+    full, stored = rows()[0], rows("--quantization", quantization)[0]
+    assert stored["flops"] == full["flops"]  # the same products, on fewer bytes
+    # int8: a byte a weight and a float32 scale a row; int4: 20 bytes a block of 32 weights
+    share = {"int8": 1 / 4, "int4": 20 / 32 / 4}[quantization]
+    assert share <= stored["weight_bytes"] / full["weight_bytes"] < share * 1.05
+    assert stored["chain_f_linear_ms"] is None and stored["ratios"]["step_over_chain_f_linear"] is None
+    assert stored["chain_engine_linear_ms"] > 0 and stored["ratios"]["step_over_floor_bandwidth"] > 0
+
 def test_decode_steps_are_all_decodes_when_the_prompts_outgrow_a_prefill_chunk(tiny_model_dir: Path) -> None:
     """8 x 1,000 prompt tokens are four 2,048-token chunks: the timed steps must still each
     run every request (they all start decoding together)."""

@@ -57,12 +57,14 @@ def measure_matmul(n: int = 2048, reps: int = 5) -> dict[str, float | None]:
             "matmul_share_of_peak": None if not peak else gflops / peak}
 
 
-def chains(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Callable[[], None], int, int,
+def chains(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Callable[[], None] | None, int, int,
                                                         Callable[[], None] | None]:
     """(engine-Linear chain, F.linear chain, weight bytes, FLOPs, oneDNN chain) for one decode
     step's products: each Linear of each layer, then the LM head, on a batch of `batch` rows.
-    The oneDNN chain runs on its prepacked weights alone (None when the Linears hold no oneDNN
-    copy): the path the engine took for decode batches before the packed-panel kernel."""
+    The weight bytes are those stored (int8 with its scales, int4 blocks). The F.linear chain
+    needs float32 weights (None for the stored formats); the oneDNN chain runs on its prepacked weights
+    alone (None when the Linears hold no oneDNN copy): the path the engine took for decode
+    batches before the packed-panel kernel."""
     linears = []
     for layer in model.layers:
         linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -85,10 +87,15 @@ def chains(model: torch.nn.Module, batch: int) -> tuple[Callable[[], None], Call
         for m, x in pairs:
             torch.ops.mkldnn._linear_pointwise(x, m.packed_weight, m.bias, "none", [], "")
 
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    flops = 2 * batch * sum(m.weight.numel() for m in linears)
+    def stored_bytes(m: torch.nn.Module) -> int:
+        scale = getattr(m, "weight_scale", None)
+        return m.weight.numel() * m.weight.element_size() + (0 if scale is None else scale.numel() * 4)
+
+    weight_bytes = sum(stored_bytes(m) for m in linears)
+    flops = 2 * batch * sum(m.in_features * m.out_features for m in linears)
+    f_linear = through_f_linear if all(m.weight.dtype == torch.float32 for m in linears) else None
     onednn = through_onednn if all(m.packed_weight is not None for m in linears) else None
-    return through_engine, through_f_linear, weight_bytes, flops, onednn
+    return through_engine, f_linear, weight_bytes, flops, onednn
 
 
 def engine_decode_steps(llm: LLM, batch: int, context: int, steps: int, warmup: int,
@@ -155,7 +162,7 @@ def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: 
         step = engine_decode_steps(llm, b, context, steps, warmup, token_range, seed, progress)
         via_engine, via_f, weight_bytes, flops, via_onednn = chains(model, b)
         chain_engine = best_seconds(via_engine, chain_reps)
-        chain_f = best_seconds(via_f, chain_reps)
+        chain_f = best_seconds(via_f, chain_reps) if via_f is not None else None
         chain_onednn = best_seconds(via_onednn, chain_reps) if via_onednn is not None else None
         bw_floor = weight_bytes / (bandwidth["read_gbps"] * 1e9)
         flop_floor = flops / (matmul["gflops"] * 1e9)
@@ -164,7 +171,7 @@ def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: 
             "batch": b, "context_start": context + 1 + warmup, "context_end": context + warmup + steps,
             "step_ms": {"median": step_s * 1e3, "mean": statistics.fmean(step) * 1e3, "min": min(step) * 1e3},
             "chain_engine_linear_ms": statistics.median(chain_engine) * 1e3,
-            "chain_f_linear_ms": statistics.median(chain_f) * 1e3,
+            "chain_f_linear_ms": statistics.median(chain_f) * 1e3 if chain_f else None,
             "chain_onednn_ms": statistics.median(chain_onednn) * 1e3 if chain_onednn else None,
             "weight_bytes": weight_bytes, "flops": flops,
             "floor_bandwidth_ms": bw_floor * 1e3, "floor_flops_ms": flop_floor * 1e3,
@@ -173,7 +180,7 @@ def measure(llm: LLM, batch_sizes: list[int], context: int, steps: int, warmup: 
         }
         row["ratios"] = {
             "step_over_chain_engine_linear": step_s * 1e3 / row["chain_engine_linear_ms"],
-            "step_over_chain_f_linear": step_s * 1e3 / row["chain_f_linear_ms"],
+            "step_over_chain_f_linear": step_s * 1e3 / row["chain_f_linear_ms"] if chain_f else None,
             "step_over_floor_bandwidth": step_s / bw_floor,
             "step_over_floor_flops": step_s / flop_floor,
             "step_over_floor": step_s * 1e3 / row["floor_ms"],

@@ -64,10 +64,11 @@ def floor_report(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
           f"matmul {mm['gflops']:.1f} GFLOP/s")
     print(table(["batch", "step ms", "chain(engine Linear) ms", "chain(F.linear) ms", "chain(oneDNN) ms", "floor bw ms",
                  "floor flops ms", "step/chain", "step/chain F", "step/floor"],
-                [[r["batch"], r["step_ms"]["median"], r["chain_engine_linear_ms"], r["chain_f_linear_ms"],
+                [[r["batch"], r["step_ms"]["median"], r["chain_engine_linear_ms"],
+                  "-" if r["chain_f_linear_ms"] is None else r["chain_f_linear_ms"],
                   "-" if r["chain_onednn_ms"] is None else r["chain_onednn_ms"],
                   r["floor_bandwidth_ms"], r["floor_flops_ms"], r["ratios"]["step_over_chain_engine_linear"],
-                  r["ratios"]["step_over_chain_f_linear"], r["ratios"]["step_over_floor"]] for r in rows]))
+                  r["ratios"]["step_over_chain_f_linear"] or "-", r["ratios"]["step_over_floor"]] for r in rows]))
     return {"decode_floor": {"context_len": context, "decode_steps": steps, "warmup_steps": args.warmup_steps,
                              "engine_overrides": {k: kw[k] for k in ("max_running_requests", "num_pages")},
                              "bandwidth": bw, "matmul": mm, "rows": rows}}

@@ -32,7 +32,7 @@ from minisgl_mp.bench.hf_baselines import HFContinuous, HFStatic, load_hf_model
 from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.bench.runs import run_engine, run_workload
 from minisgl_mp.bench.workloads import Workload
-from minisgl_mp.engine_config import DTYPE_CHOICES, EngineConfig
+from minisgl_mp.engine_config import DTYPE_CHOICES, QUANTIZATIONS, EngineConfig
 from minisgl_mp.llm import LLM
 
 FULL_MODEL, QUICK_MODEL = "Qwen3-0.6B", "qwen3-bench-small"
@@ -55,6 +55,10 @@ def add_model_args(p: argparse.ArgumentParser, out_help: str) -> None:
     m.add_argument("--no-write-checkpoint", dest="write_checkpoint", action="store_false",
                    help="dummy models: engine dummy weights, baseline other random weights (same shape)")
     m.add_argument("--device", default="cpu", help="engine and baseline device (default: cpu)")
+    m.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                   help="the engine's weights (default float32; the baselines keep float32)")
+    m.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q],
+                   help="the engine's weights stored as int8 or int4 (a GGUF file's own blocks where it has them)")
     m.add_argument("--cache-type", default=ENGINE_DEFAULTS.cache_type, choices=("radix", "naive"))
     m.add_argument("--max-running-requests", type=int, default=ENGINE_DEFAULTS.max_running_requests)
     m.add_argument("--max-prefill-tokens", type=int, default=ENGINE_DEFAULTS.max_prefill_tokens,
@@ -90,7 +94,8 @@ def pick(value: Any, full: Any, quick: Any, args: argparse.Namespace) -> Any:
 
 
 def engine_kwargs(args: argparse.Namespace, model: BenchModel, cache_type: str) -> dict[str, Any]:
-    return {"load_format": model.engine_load_format, "dtype": "float32", "device": args.device,
+    return {"load_format": model.engine_load_format, "dtype": args.dtype, "device": args.device,
+            "quantization": args.quantization,
             "seed": args.seed, "cache_type": cache_type, "max_running_requests": args.max_running_requests,
             "max_prefill_tokens": args.max_prefill_tokens, "page_size": args.page_size,
             "num_pages": args.num_pages, "kv_cache_gb": args.kv_cache_gb,
