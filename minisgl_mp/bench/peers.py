@@ -57,6 +57,7 @@ from minisgl_mp.kernels import cpu as cpu_kernels
 
 ENGINE_VARIANTS = {"float32": {"dtype": "float32"}, "float16": {"dtype": "float16"},
                    "bfloat16": {"dtype": "bfloat16"}, "int8": {"dtype": "float32", "quantization": "int8"},
+                   "int4": {"dtype": "float32", "quantization": "int4"},
                    # bfloat16 weights widened to float32 on a CPU with AMX (docs/benchmarks.md s.22)
                    # or with AVX512-BF16's dot products (s.23): neither 16-bit path
                    "bfloat16-noamx": {"dtype": "bfloat16", "cpu_amx": False, "cpu_bf16_dot": False},

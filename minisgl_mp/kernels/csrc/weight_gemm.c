@@ -288,6 +288,129 @@ static void row1_q4(const float *x, int64_t k, const char *w, const float *bias,
     }
 }
 
+#if ISA == 512 || ISA == 256
+/* The batch-1 int4 product without shuffles. Widening a block as q4_block does spends most of
+ * its instructions on the shuffle port (bytes spread to lanes, d and m broadcast), which then
+ * bounds the product well above its weight bytes. Here a block's 16 bytes are broadcast to
+ * every 128-bit chunk by the load itself and each 32-bit lane cuts its own nibble out with a
+ * variable shift, so the elements arrive in a fixed permuted order; x is permuted to match
+ * once per product (it is shared by every channel). The scale and minimum come out of a
+ * float16 -> float32 table with one load each, and the minimum's share is m * (sum of the
+ * block's x), with those sums also taken once per product:
+ *   y = sum over blocks of d * (q . x) + m * sum(x).
+ * Vector u, lane L (C = VL / 4 chunks a vector, c = L / 4, i = L % 4, P = 4 / C vectors a
+ * half block): h = u / P, o = (u % P) * C + c; the lane holds element 16 h + 4 i + o, the
+ * nibble at bit 8 o + 4 h of the chunk's dword i. */
+static float f16_table[65536];
+__attribute__((constructor)) static void fill_f16_table(void) {
+    for (uint32_t h = 0; h < 65536; ++h) f16_table[h] = f16_to_f32((uint16_t)h);
+}
+
+static inline int q4_lane_element(int u, int lane, int *shift) {
+    const int chunks = VL / 4, c = lane / 4, i = lane % 4, per_half = 4 / chunks;
+    const int h = u / per_half, o = (u % per_half) * chunks + c;
+    *shift = 8 * o + 4 * h;
+    return 16 * h + 4 * i + o;
+}
+
+#if ISA == 512
+typedef __m512i vi;
+#define VI_LOAD_SHIFTS(p) _mm512_loadu_si512((const void *)(p))
+#define Q4_BYTES(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+#define Q4_NIBBLES(b, s, mask) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, s), mask))
+#define VI_SET1(v) _mm512_set1_epi32(v)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VSET1(v) _mm512_set1_ps(v)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#else
+typedef __m256i vi;
+#define VI_LOAD_SHIFTS(p) _mm256_loadu_si256((const __m256i *)(p))
+#define Q4_BYTES(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define Q4_NIBBLES(b, s, mask) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, s), mask))
+#define VI_SET1(v) _mm256_set1_epi32(v)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VSET1(v) _mm256_set1_ps(v)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#endif
+
+/* Channels [n0, n1) from xp (x in the lanes' order) and sx (each block's sum of x). */
+static void row1_q4_lanes(const float *xp, const float *sx, const vi *shifts, int64_t k, const char *w,
+                          const float *bias, float *y, int64_t n0, int64_t n1) {
+    const int64_t blocks = k / Q4_GROUP, wrow = blocks * Q4_BLOCK;
+    const vi mask = VI_SET1(0x0f);
+    for (int64_t n = n0; n < n1; ++n) {
+        const unsigned char *row = (const unsigned char *)w + n * wrow;
+        vf acc0 = VZERO(), acc1 = VZERO();
+        float mins0 = 0.0f, mins1 = 0.0f;
+        int64_t b = 0;
+        for (; b + 2 <= blocks; b += 2) {
+            __builtin_prefetch(row + b * Q4_BLOCK + I8_PREFETCH_BYTES, 0, 0);
+            const unsigned char *b0 = row + b * Q4_BLOCK, *b1 = b0 + Q4_BLOCK;
+            const vi q0 = Q4_BYTES(b0 + 4), q1 = Q4_BYTES(b1 + 4);
+            const float *x0 = xp + b * Q4_GROUP, *x1 = x0 + Q4_GROUP;
+            vf t0 = VMUL(Q4_NIBBLES(q0, shifts[0], mask), VLOADX(x0));
+            vf t1 = VMUL(Q4_NIBBLES(q1, shifts[0], mask), VLOADX(x1));
+            for (int u = 1; u < Q4_VECS; ++u) {
+                t0 = VFMA(Q4_NIBBLES(q0, shifts[u], mask), VLOADX(x0 + u * VL), t0);
+                t1 = VFMA(Q4_NIBBLES(q1, shifts[u], mask), VLOADX(x1 + u * VL), t1);
+            }
+            acc0 = VFMA(t0, VSET1(f16_table[load_u16(b0)]), acc0);
+            acc1 = VFMA(t1, VSET1(f16_table[load_u16(b1)]), acc1);
+            mins0 += f16_table[load_u16(b0 + 2)] * sx[b];
+            mins1 += f16_table[load_u16(b1 + 2)] * sx[b + 1];
+        }
+        if (b < blocks) {
+            const unsigned char *b0 = row + b * Q4_BLOCK;
+            const vi q0 = Q4_BYTES(b0 + 4);
+            const float *x0 = xp + b * Q4_GROUP;
+            vf t0 = VMUL(Q4_NIBBLES(q0, shifts[0], mask), VLOADX(x0));
+            for (int u = 1; u < Q4_VECS; ++u) t0 = VFMA(Q4_NIBBLES(q0, shifts[u], mask), VLOADX(x0 + u * VL), t0);
+            acc0 = VFMA(t0, VSET1(f16_table[load_u16(b0)]), acc0);
+            mins0 += f16_table[load_u16(b0 + 2)] * sx[b];
+        }
+        float s = VSUM(VADD(acc0, acc1)) + (mins0 + mins1);
+        if (bias) s += bias[n];
+        y[n] = s;
+    }
+}
+
+/* A lone row of x over int4 weights: x permuted and summed once, then the channels split
+ * between the threads as `block` splits them. Returns -1 (nothing done) without memory. */
+static int q4_row1(const float *x, int64_t k, const char *w, const float *bias, float *y, int64_t n) {
+    const int64_t blocks = k / Q4_GROUP;
+    float *xp = (float *)malloc((size_t)(k + blocks) * sizeof(float));
+    if (xp == NULL) return -1;
+    float *sx = xp + k;
+    int32_t shift_lanes[Q4_VECS][VL];
+    int element[Q4_VECS][VL];
+    for (int u = 0; u < Q4_VECS; ++u)
+        for (int lane = 0; lane < VL; ++lane) element[u][lane] = q4_lane_element(u, lane, &shift_lanes[u][lane]);
+    vi shifts[Q4_VECS];
+    for (int u = 0; u < Q4_VECS; ++u) shifts[u] = VI_LOAD_SHIFTS(shift_lanes[u]);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float *xb = x + b * Q4_GROUP;
+        float *out = xp + b * Q4_GROUP, sum = 0.0f;
+        for (int u = 0; u < Q4_VECS; ++u)
+            for (int lane = 0; lane < VL; ++lane) out[u * VL + lane] = xb[element[u][lane]];
+        for (int i = 0; i < Q4_GROUP; ++i) sum += xb[i];
+        sx[b] = sum;
+    }
+    const int64_t units = (n + CBLOCK - 1) / CBLOCK;
+#pragma omp parallel for schedule(static) if (n * k >= 32768)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n0 = u * CBLOCK, n1 = n0 + CBLOCK < n ? n0 + CBLOCK : n;
+        row1_q4_lanes(xp, sx, shifts, k, w, bias, y, n0, n1);
+    }
+    free(xp);
+    return 0;
+}
+#else
+static int q4_row1(const float *x, int64_t k, const char *w, const float *bias, float *y, int64_t n) {
+    (void)x, (void)k, (void)w, (void)bias, (void)y, (void)n;
+    return -1; /* plain C: `block` widens whole blocks (row1_q4) */
+}
+#endif
+
 /* A single row of x (batch-1 decode): each channel's weight row is read as one sequential
  * stream, with four independent accumulator chains along K. Interleaving CMAX channels as
  * `tile` does splits the thread's reads into CMAX streams, which held 16-bit weights to about
@@ -618,6 +741,7 @@ static inline __attribute__((always_inline)) int gemm_panels(
         if (FMT != FMT_F32 && m >= PANEL_MIN_ROWS &&                                              \
             gemm_panels(x, m, k, w, FMT, scale, bias, y, ldy, n) == 0)                            \
             return;                                                                               \
+        if (FMT == FMT_Q4 && m == 1 && q4_row1(x, k, w, bias, y, n) == 0) return;               \
         const int64_t blocks = (n + CBLOCK - 1) / CBLOCK;                                         \
         _Pragma("omp parallel for schedule(static) if (n * k >= 32768)")                          \
         for (int64_t b = 0; b < blocks; ++b) {                                                    \
