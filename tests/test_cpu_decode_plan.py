@@ -98,10 +98,14 @@ def test_plan_logits_are_the_modules_own(tiny_model_dir: Path, kw: dict) -> None
 
 
 def test_prompt_chunks_past_a_products_row_limit_run_through_the_modules(tiny_model_dir: Path) -> None:
-    # Stored int8 weights run their C product below DENSE_MIN_ROWS rows, and float32 panels
-    # beside oneDNN's copy (--cpu-prepack) up to PANELS_MAX_ROWS: a 300-token prompt goes to
-    # the modules there; with the default float32 panels the plan takes it.
-    for kw, taken in (({"quantization": "int8"}, False), ({"cpu_prepack": True}, False), ({}, True)):
+    # Stored int8 weights widened by the C product run it below DENSE_MIN_ROWS rows, and float32
+    # panels beside oneDNN's copy (--cpu-prepack) up to PANELS_MAX_ROWS: a 300-token prompt goes
+    # to the modules there; with the default float32 panels, or int8 on AVX512-VNNI (every row
+    # count), the plan takes it.
+    cases = [({"quantization": "int8", "cpu_vnni": False}, False), ({"cpu_prepack": True}, False), ({}, True)]
+    if cpu_kernels.vnni_ready():
+        cases.append(({"quantization": "int8"}, True))
+    for kw, taken in cases:
         llm = LLM(str(tiny_model_dir), num_pages=512, **kw)
         counts = _compare_every_step(llm)
         _staggered(llm, {"long": 300, "short": 20}, max_tokens=3)

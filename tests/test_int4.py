@@ -21,6 +21,7 @@ from hf_reference import check_teacher_forced, torch_threads
 from minisgl_mp import LLM, SamplingParams
 from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.kernels import int4
+from minisgl_mp.kernels.weights import vnni_ready
 from minisgl_mp.layers.embedding import VocabEmbedding
 from minisgl_mp.layers.linear import Linear
 from minisgl_mp.models.gguf import GGUFTensors
@@ -95,8 +96,11 @@ def test_linear_and_embedding_paths_agree_with_the_dequantized_weight() -> None:
         x = torch.randn(rows, 96, generator=gen)
         ref = x.double() @ ref_w.T + lin.bias.double()
         for use_kernel in (True, False):
-            lin.cpu_gemm = use_kernel and lin.enable_cpu_gemm()
+            lin.cpu_gemm = use_kernel and lin.enable_cpu_gemm(vnni=False)
             torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-5)
+        if vnni_ready():  # x rounded to int16 per block of 32 (tests/test_vnni_gemm.py)
+            assert lin.enable_cpu_gemm() and lin.vnni is not None
+            torch.testing.assert_close(lin(x).double(), ref, atol=2e-3, rtol=1e-3)
     emb = VocabEmbedding(50, 96)
     emb.store_weight(lin.weight)
     ids = torch.tensor([3, 0, 49, 3])

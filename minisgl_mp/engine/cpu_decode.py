@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _i64, _vp, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _FMT_AMX = 4  # decode_layers.c: a product over csrc/amx_gemm.c's tiles
 _FMT_BF16DOT = 5  # decode_layers.c: a product over csrc/bf16dot_gemm.c's panels
+_FMT_VNNI = 7  # decode_layers.c: csrc/vnni_gemm.c's int8 layout; int4's is _FMT_VNNI + 1
 
 
 class _Product(ctypes.Structure):  # dl_product
@@ -96,6 +97,10 @@ def _product(m: Linear, keep: list[torch.Tensor]) -> _Product | None:
     if m.bf16dot is not None:
         d = m.bf16dot
         return _Product(_ptr(d.packed, keep), None, _ptr(d.bias, keep), m.out_features, m.in_features, _FMT_BF16DOT)
+    if m.vnni is not None:
+        v = m.vnni
+        return _Product(_ptr(v.packed, keep), _ptr(v.scale, keep), _ptr(v.bias, keep), m.out_features, m.in_features,
+                        _FMT_VNNI + v.fmt)
     if m.panels is not None:
         bias = None if m.bias is None else m.bias.data
         return _Product(_ptr(m.panels.panels, keep), None, _ptr(bias, keep), m.out_features, m.in_features, -1)
@@ -114,7 +119,7 @@ def _head_norms(attn: torch.nn.Module) -> tuple[RMSNorm | None, RMSNorm | None]:
 def _row_limit(m: Linear) -> str | None:
     """Which of Linear's thresholds bounds the rows its C product takes: "panels" (beside
     oneDNN's copy, up to PANELS_MAX_ROWS), "stored" (below DENSE_MIN_ROWS), None (every batch)."""
-    if m.amx is not None or m.bf16dot is not None:
+    if m.amx is not None or m.bf16dot is not None or m.vnni is not None:
         return None
     if m.panels is not None:
         return None if m.packed_weight is None else "panels"

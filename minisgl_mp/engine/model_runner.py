@@ -58,11 +58,14 @@ class ModelRunner:
                         else str(self.weight_dtype).replace("torch.", ""))
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         if device.type == "cpu" and dtype == torch.float32 and config.cpu_small_gemm:
-            gemm = sum(m.enable_cpu_gemm(amx=config.cpu_amx, bf16_dot=config.cpu_bf16_dot) for m in linears)
+            gemm = sum(m.enable_cpu_gemm(amx=config.cpu_amx, bf16_dot=config.cpu_bf16_dot, vnni=config.cpu_vnni)
+                       for m in linears)
             amx = sum(m.amx is not None for m in linears)
             dot = sum(m.bf16dot is not None for m in linears)
-            logger.info("C product kernel for %d linear layers%s%s", gemm, f" ({amx} on AMX tiles)" if amx else "",
-                        f" ({dot} on AVX512-BF16 dot products)" if dot else "")
+            vnni = sum(m.vnni is not None for m in linears)
+            logger.info("C product kernel for %d linear layers%s%s%s", gemm, f" ({amx} on AMX tiles)" if amx else "",
+                        f" ({dot} on AVX512-BF16 dot products)" if dot else "",
+                        f" ({vnni} on AVX512-VNNI integer dot products)" if vnni else "")
         if device.type == "cpu" and config.cpu_prepack is not False:
             # By default only where the panels do not run every batch themselves.
             packed = sum(m.prepack() for m in linears if config.cpu_prepack or not m.panels_take_every_batch())

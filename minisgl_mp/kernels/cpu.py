@@ -6,7 +6,8 @@ paged attention (csrc/paged_attention.c) and its blocked form for long query run
 batches (csrc/packed_gemm.c), bfloat16 products and prompt attention on AMX tiles where the
 CPU has them (csrc/amx_gemm.c, csrc/amx_attention.c), bfloat16 products and prompt attention
 on AVX512-BF16's dot products where it has those but no AMX (csrc/bf16dot_gemm.c,
-csrc/bf16dot_attention.c), and a probe of the machine's FMA
+csrc/bf16dot_attention.c), int8 and int4 products on AVX512-VNNI's integer dot products
+(csrc/vnni_gemm.c), and a probe of the machine's FMA
 ceiling for the benchmarks (csrc/fma_peak.c).
 
 Building and loading the library: kernels/library.py (re-exported here); the weights of the
@@ -20,8 +21,8 @@ import torch
 # Re-exported: callers reach the build and the weight products through this module.
 from minisgl_mp.kernels.library import CFLAGS, ISA_FLAGS, default_isa, fused_ok as _fused_ok, load  # noqa: F401
 from minisgl_mp.kernels.weights import (  # noqa: F401
-    WEIGHT_FORMATS, AmxWeight, Bf16DotWeight, PackedWeight, StoredWeight, amx_ready, bf16dot_ready, kernel_isa,
-    packed_gemm_tile, weight_gemm)
+    WEIGHT_FORMATS, AmxWeight, Bf16DotWeight, PackedWeight, StoredWeight, VnniWeight, amx_ready, bf16dot_ready,
+    kernel_isa, packed_gemm_tile, vnni_ready, weight_gemm)
 
 # Pool dtypes the kernel reads K/V in (queries and outputs are always float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)

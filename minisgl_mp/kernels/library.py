@@ -147,6 +147,15 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     lib.bf16dot_gemm_pack.argtypes = [vp, i64, i64, vp]
     lib.bf16dot_gemm_bf16.restype = ctypes.c_int
     lib.bf16dot_gemm_bf16.argtypes = lib.amx_gemm_bf16.argtypes
+    lib.vnni_gemm_ready.restype = ctypes.c_int
+    lib.vnni_gemm_ready.argtypes = []
+    lib.vnni_gemm_packed_bytes.restype = i64
+    lib.vnni_gemm_packed_bytes.argtypes = [ctypes.c_int, i64, i64]
+    for fn in (lib.vnni_gemm_pack_i8, lib.vnni_gemm_pack_q4):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [vp, i64, i64, vp]
+    lib.vnni_gemm.restype = ctypes.c_int
+    lib.vnni_gemm.argtypes = [vp, i64, i64, i64, ctypes.c_int, vp, vp, vp, vp, i64, i64]
     for fn in (lib.packed_gemm_unit, lib.packed_gemm_rows, lib.bf16dot_gemm_unit):
         fn.restype = ctypes.c_int
         fn.argtypes = []

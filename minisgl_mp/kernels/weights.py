@@ -167,7 +167,7 @@ class _Bf16Packed:
         if x.shape[0] == 0:
             return y
         rc = self._gemm(x.data_ptr(), x.shape[0], k, x.stride(0), self.packed.data_ptr(), n,
-                        None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+                        None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n, n)
         if rc != 0:
             raise MemoryError(f"the {self.KIND} product could not allocate its bfloat16 copy of x")
         return y
@@ -223,6 +223,69 @@ class Bf16DotWeight(_Bf16Packed):
 
     def _gemm(self, *args: int | None) -> int:
         return self._lib.bf16dot_gemm_bf16(*args)
+
+
+def vnni_ready(isa: str | None = None) -> bool:
+    """Whether int8 and int4 products can run on AVX512-VNNI's dot products here (a build with
+    it: `native` on such a CPU)."""
+    lib = load(isa)
+    return lib is not None and bool(lib.vnni_gemm_ready())
+
+
+class VnniWeight:
+    """An int8 (with its per-channel scale) or int4 weight [N, K], K a multiple of 32, packed
+    for csrc/vnni_gemm.c: y = x W^T (+ bias) with x rounded to int16 per block of 32 inputs and
+    exact integer dot products (llama.cpp rounds x to int8 instead), at every row
+    count. Where the arithmetic bounds a product this runs several times the float32 panels'
+    rate, which widening the weights is held to."""
+
+    FORMATS = {torch.int8: 0, int4.STORAGE_DTYPE: 1}
+    GROUP = 32
+
+    @classmethod
+    def fits(cls, weight: torch.Tensor) -> bool:
+        if weight.dtype not in cls.FORMATS or weight.dim() != 2 or weight.device.type != "cpu":
+            return False
+        k = int4.in_features_of(weight) if weight.dtype == int4.STORAGE_DTYPE else weight.shape[1]
+        return weight.shape[0] > 0 and k > 0 and k % cls.GROUP == 0
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> None:
+        self._lib = lib = load(isa)
+        if lib is None or not lib.vnni_gemm_ready():
+            raise RuntimeError("AVX512-VNNI products are not available on this CPU or build")
+        if not self.fits(weight):
+            raise ValueError(f"weight must be a 2-D int8 or int4 CPU tensor with a multiple of {self.GROUP} "
+                             f"inputs, got {weight.dtype} {tuple(weight.shape)}")
+        self.fmt = self.FORMATS[weight.dtype]
+        self.out_features = n = weight.shape[0]
+        self.in_features = k = int4.in_features_of(weight) if self.fmt else weight.shape[1]
+        if (scale is not None) != (self.fmt == 0):
+            raise ValueError("scale is given exactly when the weight is int8")
+        for name, t in (("scale", scale), ("bias", bias)):
+            if t is not None and (t.shape != (n,) or not fused_ok(t)):
+                raise ValueError(f"{name} must be contiguous float32 [{n}]")
+        self.scale, self.bias = scale, bias
+        weight = weight.contiguous()
+        self.packed = torch.empty(int(lib.vnni_gemm_packed_bytes(self.fmt, n, k)), dtype=torch.uint8)
+        pack = lib.vnni_gemm_pack_q4 if self.fmt else lib.vnni_gemm_pack_i8
+        if pack(weight.data_ptr(), n, k, self.packed.data_ptr()) != 0:
+            raise ValueError(f"could not pack a weight of shape {tuple(weight.shape)}")
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
+        n, k = self.out_features, self.in_features
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if x.stride(1) != 1 or x.stride(0) < k:
+            x = x.contiguous()
+        y = x.new_empty((x.shape[0], n))
+        rc = self._lib.vnni_gemm(x.data_ptr(), x.shape[0], k, x.stride(0), self.fmt, self.packed.data_ptr(),
+                                 None if self.scale is None else self.scale.data_ptr(),
+                                 None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n, n)
+        if rc != 0:
+            raise MemoryError("the AVX512-VNNI product could not allocate its int16 copy of x")
+        return y
 
 
 def packed_gemm_tile(isa: str | None = None) -> tuple[int, int] | None:

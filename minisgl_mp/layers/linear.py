@@ -39,6 +39,10 @@ class Linear(nn.Module):
     - `enable_cpu_gemm()` on a CPU with AVX512-BF16 but no AMX (AMD Zen 4 and 5, for one), for
       bfloat16 weights: the same numerics on the dot-product instruction, every product through
       kernels/csrc/bf16dot_gemm.c; `bf16_dot=False` keeps the widening paths.
+    - `enable_cpu_gemm()` on a CPU with AVX512-VNNI, for int8 and int4 weights (inputs in whole
+      blocks of 32): every product on its 16-bit integer dot products (kernels/csrc/vnni_gemm.c),
+      x rounded to int16 per block of 32, whatever the rows; `vnni=False` keeps the widening
+      paths.
     The plain weight stays the source of truth (tying, reloading, tests read it).
     """
 
@@ -61,6 +65,7 @@ class Linear(nn.Module):
         self.stored: cpu_kernels.StoredWeight | None = None
         self.amx: cpu_kernels.AmxWeight | None = None
         self.bf16dot: cpu_kernels.Bf16DotWeight | None = None
+        self.vnni: cpu_kernels.VnniWeight | None = None
         self.cpu_gemm = False
 
     def store_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -79,6 +84,7 @@ class Linear(nn.Module):
         self.stored = None
         self.amx = None
         self.bf16dot = None
+        self.vnni = None
         self.cpu_gemm = False
 
     def prepack(self) -> bool:
@@ -89,10 +95,11 @@ class Linear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return True
 
-    def enable_cpu_gemm(self, amx: bool = True, bf16_dot: bool = True) -> bool:
+    def enable_cpu_gemm(self, amx: bool = True, bf16_dot: bool = True, vnni: bool = True) -> bool:
         """Use the C product kernels (and pack a float32 weight's panels, or a bfloat16 weight's
         AMX tiles where the CPU has them and `amx`, else its AVX512-BF16 panels where it has
-        those and `bf16_dot`); returns whether the weight's device and dtype allow it."""
+        those and `bf16_dot`, or an int8 / int4 weight's AVX512-VNNI layout where it has that and
+        `vnni`); returns whether the weight's device and dtype allow it."""
         self.cpu_gemm = (self.weight.device.type == "cpu" and self.weight.dtype in cpu_kernels.WEIGHT_FORMATS
                          and (self.bias is None or self.bias.dtype == torch.float32)
                          and cpu_kernels.load() is not None)
@@ -107,6 +114,9 @@ class Linear(nn.Module):
         self.bf16dot = (cpu_kernels.Bf16DotWeight(self.weight.data, bias)
                         if self.amx is None and bf16_dot and self.cpu_gemm
                         and cpu_kernels.Bf16DotWeight.fits(self.weight) and cpu_kernels.bf16dot_ready() else None)
+        self.vnni = (cpu_kernels.VnniWeight(self.weight.data, self.weight_scale, bias)
+                     if vnni and self.cpu_gemm and cpu_kernels.VnniWeight.fits(self.weight) and cpu_kernels.vnni_ready()
+                     else None)
         return self.cpu_gemm
 
     def panels_take_every_batch(self) -> bool:
@@ -121,7 +131,7 @@ class Linear(nn.Module):
                 and (rows <= self.PANELS_MAX_ROWS or self.packed_weight is None)):
             y = self.panels.matmul(x.reshape(rows, shape[-1]), self.bias)
             return y.view(*shape[:-1], self.out_features)
-        packed16 = self.amx or self.bf16dot
+        packed16 = self.amx or self.bf16dot or self.vnni
         if packed16 is not None and x.dtype == torch.float32:
             y = packed16.matmul(x.reshape(rows, shape[-1]))
             return y.view(*shape[:-1], self.out_features)

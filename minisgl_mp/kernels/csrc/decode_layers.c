@@ -52,10 +52,14 @@ int extend_attention_bf16dot(const float *q, const float *k, const float *v, con
                              const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out,
                              int64_t batch, int64_t hq, int64_t hkv, int64_t d, float scale);
 
+int vnni_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, int fmt, const uint8_t *packed,
+              const float *scale, const float *bias, float *y, int64_t ldy, int64_t n);
+
 /* One Linear: its weight as float32 panels (fmt -1, packed_gemm.c), as bfloat16 AMX tiles (fmt
- * FMT_AMX, amx_gemm.c), as bfloat16 pair panels (fmt FMT_BF16DOT, bf16dot_gemm.c) or in a
- * weight_gemm.c format (0-3). */
-enum { FMT_AMX = 4, FMT_BF16DOT = 5 };
+ * FMT_AMX, amx_gemm.c), as bfloat16 pair panels (fmt FMT_BF16DOT, bf16dot_gemm.c), in
+ * vnni_gemm.c's int8 or int4 layout (FMT_VNNI_I8, FMT_VNNI_Q4) or in a weight_gemm.c format
+ * (0-3, 6). */
+enum { FMT_AMX = 4, FMT_BF16DOT = 5, FMT_VNNI_I8 = 7, FMT_VNNI_Q4 = 8 };
 typedef struct {
     const void *w;
     const float *scale; /* int8's per-channel scale, else NULL */
@@ -92,7 +96,7 @@ typedef struct {
     float *h, *qkv, *q, *k, *attn, *gate_up, *act;
 } dl_step;
 
-/* 0, or -1 when a bfloat16 product could not allocate its copy of x. */
+/* 0, or -1 when a bfloat16 or VNNI product could not allocate its copy of x. */
 static int product(const dl_product *p, const float *x, int64_t m, float *y) {
     if (p->fmt < 0)
         packed_gemm_f32(x, m, p->k, p->k, (const float *)p->w, p->n, p->bias, y, p->n);
@@ -100,6 +104,9 @@ static int product(const dl_product *p, const float *x, int64_t m, float *y) {
         return amx_gemm_bf16(x, m, p->k, p->k, (const uint16_t *)p->w, p->n, p->bias, y, p->n);
     else if (p->fmt == FMT_BF16DOT)
         return bf16dot_gemm_bf16(x, m, p->k, p->k, (const uint16_t *)p->w, p->n, p->bias, y, p->n);
+    else if (p->fmt == FMT_VNNI_I8 || p->fmt == FMT_VNNI_Q4)
+        return vnni_gemm(x, m, p->k, p->k, (int)(p->fmt - FMT_VNNI_I8), (const uint8_t *)p->w, p->scale, p->bias, y,
+                         p->n, p->n) == 0 ? 0 : -1;
     else
         weight_gemm(x, m, p->k, p->w, (int)p->fmt, p->scale, p->bias, y, p->n, p->n);
     return 0;
