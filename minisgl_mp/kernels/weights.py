@@ -29,6 +29,13 @@ def weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     return StoredWeight(weight, scale, bias, isa).matmul(x)
 
 
+def _float32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x checked as float32 [M, k] on the CPU, with unit-stride rows (copied only if not)."""
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    return x.contiguous() if x.stride(1) != 1 or x.stride(0) < k else x
+
+
 class StoredWeight:
     """A weight in one of WEIGHT_FORMATS (with its int8 scale and its bias) checked once, for
     the product kernel of csrc/weight_gemm.c: `Linear` calls it a hundred times a decode step,
@@ -91,10 +98,7 @@ class PackedWeight:
         """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32, plus `bias` [N]
         float32."""
         n, k = self.out_features, self.in_features
-        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if x.stride(1) != 1 or x.stride(0) < k:
-            x = x.contiguous()
+        x = _float32_rows(x, k)
         if bias is not None and (bias.shape != (n,) or not fused_ok(bias)):
             raise ValueError(f"bias must be contiguous float32 [{n}]")
         y = x.new_empty((x.shape[0], n))
@@ -159,10 +163,7 @@ class _Bf16Packed:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
         n, k = self.out_features, self.in_features
-        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if x.stride(1) != 1 or x.stride(0) < k:
-            x = x.contiguous()
+        x = _float32_rows(x, k)
         y = x.new_empty((x.shape[0], n))
         if x.shape[0] == 0:
             return y
@@ -275,10 +276,7 @@ class VnniWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
         n, k = self.out_features, self.in_features
-        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if x.stride(1) != 1 or x.stride(0) < k:
-            x = x.contiguous()
+        x = _float32_rows(x, k)
         y = x.new_empty((x.shape[0], n))
         rc = self._lib.vnni_gemm(x.data_ptr(), x.shape[0], k, x.stride(0), self.fmt, self.packed.data_ptr(),
                                  None if self.scale is None else self.scale.data_ptr(),
