@@ -131,6 +131,23 @@ static inline __m512i bcast_pair(const int16_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* With few rows a block's 16 dot products into one accumulator would wait on each other's
+ * latency; they are spread over `chains` accumulators per row (as many as the tile's
+ * registers hold, up to 4) and summed once per block. */
+static inline __attribute__((always_inline)) int chains_for(int rows) {
+    const int c = MR / rows;
+    return c > 4 ? 4 : c;
+}
+
+static inline __attribute__((always_inline)) void fold_chains(__m512i *acc, int rows, int chains) {
+#pragma GCC unroll 4
+    for (int c = 1; c < 4; ++c)
+        if (c < chains)
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r)
+                if (r < rows) acc[r] = _mm512_add_epi32(acc[r], acc[c * rows + r]);
+}
+
 /* Rows [0, rows) of x (xq, sx, xs from that tile's first row) times one unit: the float32
  * sums of its 16 channels, before int8's scale and the bias. */
 static inline __attribute__((always_inline)) void tile(
@@ -138,6 +155,7 @@ static inline __attribute__((always_inline)) void tile(
     int64_t k, const float *sx, const float *xs, __m512 *out) {
     __m512 facc[MR];
     const __m256i low = _mm256_set1_epi8(0x0f);
+    const int chains = chains_for(rows);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) facc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -151,10 +169,13 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 16
             for (int p = 0; p < 16; ++p) {
                 const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + p * 32)));
+                const int c = rows * (p % chains);
 #pragma GCC unroll 8
                 for (int r = 0; r < MR; ++r)
-                    if (r < rows) acc[r] = _mm512_dpwssd_epi32(acc[r], wv, bcast_pair(xq + r * k + b * GROUP + 2 * p));
+                    if (r < rows)
+                        acc[c + r] = _mm512_dpwssd_epi32(acc[c + r], wv, bcast_pair(xq + r * k + b * GROUP + 2 * p));
             }
+            fold_chains(acc, rows, chains);
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r)
                 if (r < rows)
@@ -168,14 +189,16 @@ static inline __attribute__((always_inline)) void tile(
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + p * 32));
                 const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
                 const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                const int c0 = rows * ((2 * p) % chains), c1 = rows * ((2 * p + 1) % chains);
 #pragma GCC unroll 8
                 for (int r = 0; r < MR; ++r)
                     if (r < rows) {
                         const int16_t *xr = xq + r * k + b * GROUP + 4 * p;
-                        acc[r] = _mm512_dpwssd_epi32(acc[r], lo, bcast_pair(xr));
-                        acc[r] = _mm512_dpwssd_epi32(acc[r], hi, bcast_pair(xr + 2));
+                        acc[c0 + r] = _mm512_dpwssd_epi32(acc[c0 + r], lo, bcast_pair(xr));
+                        acc[c1 + r] = _mm512_dpwssd_epi32(acc[c1 + r], hi, bcast_pair(xr + 2));
                     }
             }
+            fold_chains(acc, rows, chains);
             const uint16_t *dm = dmu + b * 2 * LANES;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
             const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + LANES)));
