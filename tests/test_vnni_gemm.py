@@ -49,7 +49,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("n,k", [(576, 576), (37, 64), (200, 1536)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 150])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64, 150])
 def test_product_is_the_stated_integer_arithmetic(fmt: str, n: int, k: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(n * 7 + k + rows)
     if fmt == "int8":
