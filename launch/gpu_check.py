@@ -21,6 +21,9 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
   and out tok/s with 64 streams on each frontend beside the offline engine's;
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
   decode steps free of syncs other than the one for the previous step's tokens;
+- n-gram speculative decoding on the defaults (verify steps in CUDA graphs, overlap scheduling)
+  on the real default model: greedy and seeded answers identical to plain decoding, the verify
+  graphs replayed, copy-heavy out tok/s one request at a time with and without it;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
 The report is rewritten after every check, so a run cut short still leaves what it measured.
 """
@@ -51,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--model", default="Qwen3-0.6B", help="the large shape (default Qwen3-0.6B; --quick: the small model)")
     p.add_argument("--small-model", default="models/qwen3-tiny", help="the generated model")
+    p.add_argument("--spec-model", default="models/SmolLM2-135M-Instruct",
+                   help="speculative decoding's check (default: the real default model; the small one where it is absent)")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("bench_results/checkpoints"))
     p.add_argument("--attention-backend", default="auto",
                    help="the engines' backend (default: the engine's own choice for the device)")
@@ -107,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                                         args.out.with_name(args.out.stem + "_server.log")))
     run("overlap_agrees", lambda: checks.overlap_agrees(small, args.device, dtype, args.seed,
                                                                    args.attention_backend))
+    # Random weights copy nothing: the real model where it is (`make model`), so drafts are accepted.
+    spec_model = args.spec_model if Path(args.spec_model).exists() else small.engine_model
+    run("speculative", lambda: checks.speculative(spec_model, args.device, dtype, args.quick, args.attention_backend))
     # (tag, disable_cuda_graph, disable_overlap_schedule, cuda_fused_ops): no graphs, overlap or
     # Triton element-wise kernels on the CPU.
     modes = [("eager", True, True, False), ("cuda_graph", False, True, False),

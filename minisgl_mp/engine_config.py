@@ -118,3 +118,12 @@ class EngineConfig:
     def graph_max_bs(self) -> int:
         """Largest decode batch captured in a CUDA graph (no larger batch can run)."""
         return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+
+    @property
+    def verify_graph_max_bs(self) -> int:
+        """Largest speculative verify batch captured in a CUDA graph (0 without speculation):
+        no step drafts once its decodes times (draft tokens + 1) pass
+        speculative_max_batch_tokens, so larger verify batches never occur."""
+        if self.speculative_algorithm is None:
+            return 0
+        return min(self.graph_max_bs, self.speculative_max_batch_tokens // (self.speculative_num_draft_tokens + 1))

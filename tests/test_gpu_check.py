@@ -26,9 +26,10 @@ def test_cpu_smoke_run_writes_a_passing_report(tiny_model_dir: Path, tmp_path: P
     checks = report["checks"]
     assert {"greedy_vs_hf_small", "backends_vs_sdpa", "long_context", "throughput_eager",
             "decode_steps_eager", "hf_generate_baseline", "overlap_agrees", "hidden_syncs", "kernels_per_step",
-            "served"} <= set(checks)
+            "served", "speculative"} <= set(checks)
     assert all(c["ok"] for c in checks.values())
     assert checks["overlap_agrees"]["identical"] == checks["overlap_agrees"]["requests"]
+    assert checks["speculative"]["identical"] == checks["speculative"]["requests"]
     assert checks["greedy_vs_hf_small"]["max_logit_gap"] <= checks["greedy_vs_hf_small"]["tolerance"]
     assert "cpu" in checks["backends_vs_sdpa"]["backends"] or "sdpa" in checks["backends_vs_sdpa"]["backends"]
     assert checks["throughput_eager"]["output_tokens"] > 0

@@ -230,6 +230,39 @@ def test_retraction_chunked_prefill_and_pages_of_16_keep_answers(model_dir: Path
     assert retractions > 0, "no pool forced a retraction"
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_overlap_scheduling_keeps_answers_and_still_drafts(model_dir: Path, plain: LLM,
+                                                           prompts: list[list[int]]) -> None:
+    """With overlap scheduling (CUDA's default) a step that drafts waits for the tokens of the
+    one before, and the others overlap: greedy and seeded answers are those without either, the
+    copying request still drafts, and a pool small enough to retract leaks nothing."""
+    greedy = SamplingParams(max_tokens=48, temperature=0)
+    seeded = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=s) for s in range(len(prompts))]
+    penalized = SamplingParams(max_tokens=24, temperature=0, frequency_penalty=0.5)
+    llm = make_llm(model_dir, speculative_algorithm="NGRAM", disable_overlap_schedule=False)
+    assert llm.scheduler.overlap
+    got = llm.generate(prompts, greedy)
+    same(got, plain.generate(prompts, greedy))
+    assert got[0]["usage"]["spec_accept_length"] >= 2.0, got[0]["usage"]
+    same(llm.generate(prompts, seeded), plain.generate(prompts, seeded))
+    # No drafts (penalties): every step overlaps the one before.
+    same(llm.generate(prompts[1], penalized), plain.generate(prompts[1], penalized))
+    assert_no_leak(llm)
+    llm.shutdown()
+
+    # A pool of 128 tokens for eight short answers: decodes and drafts retract.
+    questions = ["Repeat exactly: one two three four five six seven eight nine ten.", *QUESTIONS,
+                 "Name three primary colors.", "Who wrote Romeo and Juliet?", "Explain gravity in one sentence."]
+    batch = [chat_ids(plain, user(q)) for q in questions]
+    small = make_llm(model_dir, speculative_algorithm="NGRAM", disable_overlap_schedule=False, page_size=16,
+                     num_pages=8, max_prefill_tokens=16)
+    same(small.generate(batch, greedy), plain.generate(batch, greedy))
+    stats = small.scheduler.engine_stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["retractions"] > 0, stats
+    assert_no_leak(small)
+    small.shutdown()
+
+
 # ---- the server -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

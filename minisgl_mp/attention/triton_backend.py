@@ -39,6 +39,9 @@ class TritonMetadata:
     q_len: torch.Tensor | None = None  # [B]
     prefix_len: torch.Tensor | None = None  # [B]
     max_q_len: int = 1
+    # Rows no query of the kernel writes (a verify graph's padding): zeroed, not left as
+    # whatever the memory held, so the layers after see finite values.
+    has_pad_rows: bool = False
 
 
 # Decode cuts each request's keys into up to this many runs attended in parallel (flash
@@ -102,16 +105,24 @@ class TritonBackend(AttentionBackend):
         )
 
     def graph_metadata(self, inputs: DecodeGraphInputs, batch_size: int) -> TritonMetadata:
-        """Decode metadata as views of a CUDA graph's static buffers (engine/cuda_graph.py)."""
-        # A graph is replayed at any context length: split as for the longest a request can have.
-        return TritonMetadata(inputs.out_loc[:batch_size], inputs.req_rows[:batch_size], inputs.seq_lens[:batch_size],
-                              decode=True, decode_splits=decode_splits(self.req_table.max_context_len))
+        """Metadata as views of a CUDA graph's static buffers (engine/cuda_graph.py): the decode
+        kernel's, or for a verify graph the extend kernel's, each request owning
+        `tokens_per_req` rows of which it runs `q_len`."""
+        q = inputs.tokens_per_req
+        rows, seq_lens = inputs.req_rows[:batch_size], inputs.seq_lens[:batch_size]
+        if q == 1:
+            # A graph is replayed at any context length: split as for the longest a request can have.
+            return TritonMetadata(inputs.out_loc[:batch_size], rows, seq_lens, decode=True,
+                                  decode_splits=decode_splits(self.req_table.max_context_len))
+        return TritonMetadata(inputs.out_loc[: batch_size * q], rows, seq_lens, decode=False,
+                              q_start=inputs.q_start[:batch_size], q_len=inputs.q_len[:batch_size],
+                              prefix_len=inputs.prefix_len[:batch_size], max_q_len=q, has_pad_rows=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 metadata: TritonMetadata) -> torch.Tensor:
         self.pool.store(layer_id, metadata.out_loc, k, v)
         q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q) if metadata.has_pad_rows else torch.empty_like(q)
         k_pool, v_pool, table = self.pool.k[layer_id], self.pool.v[layer_id], self.req_table.table
         if metadata.decode:
             self.kernels.decode_attention(q, k_pool, v_pool, out, table, metadata.rows, metadata.seq_lens,

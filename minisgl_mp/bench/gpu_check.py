@@ -401,3 +401,66 @@ def hf_baseline(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes
     hf = load_hf_model(model, seed, device, progress=False).to(dtype)
     static = HFStatic(hf, batch_size=sizes.hf_requests, progress=False)
     return {"ok": True, **run_workload("hf_static", workload, static.generate).to_dict()}
+
+
+def speculative(model: str, device: str, dtype: torch.dtype, quick: bool,
+                attention_backend: str = "auto") -> dict[str, Any]:
+    """N-gram speculation on the device's defaults (CUDA graphs for decode and verify steps,
+    overlap scheduling): greedy answers identical to plain decoding, copy-heavy requests one at a
+    time and 16 at once plus free text; seeded sampling identical; out tok/s one request at a
+    time with and without it (the real model, so that drafts are accepted as in use)."""
+    from minisgl_mp.bench.spec import _prompts
+
+    tokens = 16 if quick else 128
+    greedy = SamplingParams(max_tokens=tokens, temperature=0)
+    seeded = SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.95, seed=7)
+    out: dict[str, Any] = {"model": model, "max_tokens": tokens}
+    answers: dict[bool, dict[str, list[list[int]]]] = {}
+    for spec in (False, True):
+        kwargs = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4} if spec else {}
+        llm = LLM(model, device=device, dtype=str(dtype).split(".")[-1], max_running_requests=32,
+                  attention_backend=attention_backend, **({"kv_cache_gb": 0.25} if device == "cpu" else {}),
+                  **kwargs)
+        runner = llm.scheduler.runner
+        replays = {"verify_graph": 0}
+        if runner.verify_graphs is not None:
+            replay = runner.verify_graphs.replay
+
+            def counted(*a: Any, _replay: Any = replay) -> torch.Tensor:
+                replays["verify_graph"] += 1
+                return _replay(*a)
+            runner.verify_graphs.replay = counted  # type: ignore[method-assign]
+        copy = _prompts(llm, "copy", 2 if quick else 8, 1)
+        free = _prompts(llm, "free", 2 if quick else 8, 1)
+        batch = _prompts(llm, "copy-batch", 0, 4 if quick else 16)
+        llm.generate(copy[0][:16], SamplingParams(max_tokens=4, temperature=0))  # warm up
+        t0 = time.perf_counter()
+        one = [llm.generate(p, greedy)[0] for p in copy]
+        seconds = time.perf_counter() - t0
+        usage = [o["usage"] for o in one]
+        verify = sum(u.get("spec_verify_ct", 0) for u in usage)
+        answers[spec] = {
+            "copy": [o["token_ids"] for o in one],
+            "free": [o["token_ids"] for o in llm.generate(free, greedy)],
+            "copy_batch": [o["token_ids"] for o in llm.generate(batch, greedy)],
+            "seeded": [o["token_ids"] for o in llm.generate(copy + free, seeded)],
+        }
+        tag = "ngram" if spec else "plain"
+        out[tag] = {
+            "copy_one_at_a_time_out_tps": sum(len(o["token_ids"]) for o in one) / seconds,
+            "spec_accept_length": (sum(u.get("spec_verify_ct", 0) * u.get("spec_accept_length", 0) for u in usage)
+                                   / verify if verify else None),
+            "overlap": llm.scheduler.overlap,
+            "verify_graph_sizes": list(runner.verify_graphs.sizes) if runner.verify_graphs is not None else [],
+            "verify_graph_replays": replays["verify_graph"],
+        }
+        llm.shutdown()
+        del llm
+        gc.collect()
+    identical = {k: sum(a == b for a, b in zip(answers[False][k], answers[True][k])) for k in answers[False]}
+    out["identical"] = identical
+    out["requests"] = {k: len(v) for k, v in answers[False].items()}
+    out["copy_speedup"] = out["ngram"]["copy_one_at_a_time_out_tps"] / out["plain"]["copy_one_at_a_time_out_tps"]
+    graphs_ran = device == "cpu" or out["ngram"]["verify_graph_replays"] > 0
+    out["ok"] = identical == out["requests"] and graphs_ran
+    return out

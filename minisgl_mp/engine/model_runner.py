@@ -112,6 +112,7 @@ class ModelRunner:
             if self.cpu_decode is not None:
                 self.model.layer_runner = self.cpu_decode
         self.graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: DecodeGraphRunner | None = None  # speculative decoding's verify steps
         if device.type == "cuda" and not config.disable_cuda_graph and tp is not None:
             # Not yet checked: NCCL collectives inside a captured graph.
             logger.warning("tensor parallelism: decode runs eagerly, without CUDA graphs")
@@ -119,6 +120,12 @@ class ModelRunner:
             if hasattr(self.backend, "graph_metadata"):
                 self.graphs = DecodeGraphRunner(self.model, self.backend, self.pool.pad_slot, config.graph_max_bs, device)
                 self.graphs.capture(progress=progress)
+                verify_bs = config.verify_graph_max_bs
+                if verify_bs:
+                    self.verify_graphs = DecodeGraphRunner(self.model, self.backend, self.pool.pad_slot, verify_bs,
+                                                           device, config.speculative_num_draft_tokens + 1)
+                    self.verify_graphs.pool = self.graphs.pool
+                    self.verify_graphs.capture(progress=progress)
             else:
                 logger.warning("the %s attention backend does not run in CUDA graphs: decode runs eagerly",
                                self.attention_backend)
@@ -130,8 +137,9 @@ class ModelRunner:
         # device every step (and the C rotary kernel indexes its table unchecked).
         if layout.batch_size and max(layout.seq_lens) > self.model.rotary.max_position:
             raise ValueError(f"position {max(layout.seq_lens) - 1} is past the model's {self.model.rotary.max_position}")
-        if self.graphs is not None and self.graphs.can_run(layout):
-            logits = self.graphs.replay(layout, input_ids, positions)
-            return logits if logits_indices is None else logits[logits_indices]
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None and graphs.can_run(layout):
+                logits = graphs.replay(layout, input_ids, positions)
+                return logits if logits_indices is None else logits[logits_indices]
         attn = AttentionContext(self.backend, self.backend.prepare(layout))
         return self.model(input_ids, positions, attn, logits_indices)

@@ -142,9 +142,10 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
                                               config.speculative_ngram_min_match_window_size,
                                               config.speculative_ngram_max_match_window_size,
                                               config.speculative_max_batch_tokens)
-        # Under TP rank 0's tokens are broadcast: a sync anyway. A draft is made from the
-        # request's tokens, which must all be read first.
-        self.overlap = overlap and tp is None and self.speculator is None
+        # Under TP rank 0's tokens are broadcast: a sync anyway. With speculation a draft is
+        # made from the request's tokens, which must all be read first: a step that drafts (or
+        # follows a verification) waits for the one before; the others overlap (_needs_tokens).
+        self.overlap = overlap and tp is None
         self._inflight: LaunchedStep | None = None
 
     # ---- intake -----------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
             record_prompt_logprobs(batch.prompt_logprob_spans, logits[num_sampled + num_verify:])
         sample = self._sample(logits[:num_sampled], batch.sampled_reqs)
         verified = []
-        if batch.verifies:  # reads the tokens back: speculative steps run without overlap
+        if batch.verifies:  # reads the tokens back: a verification step does not overlap the next
             verified = self.speculator.verify(logits[num_sampled:num_sampled + num_verify], list(batch.verifies),
                                               self.sampler)
             if self.tp is not None:
@@ -339,11 +340,21 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
         """Whether the next step cannot be scheduled before `prev`'s tokens are read: a
         grammar must accept a token before it can mask the next, and a retraction must not
         send a request back to the queue with a token still unread (nor can a finished request
-        that would free pages be told apart from one that goes on)."""
+        that would free pages be told apart from one that goes on); a draft is read off its
+        request's tokens, and a verification's tokens are taken only when it is processed."""
         if any(r.grammar is not None for r in prev.batch.sampled_reqs):
+            return True
+        if prev.batch.verifies or self._may_draft():
             return True
         pages = sum(self.kv.pages_for(r, 1) for r in self.running if self._decodable(r))
         return pages * self.kv.page_size > self.kv.available_tokens
+
+    def _may_draft(self) -> bool:
+        """Whether the next step could draft for some request (speculative decoding)."""
+        if self.speculator is None:
+            return False
+        decodes = [r for r in self.running if self._decodable(r)]
+        return self.speculator.batch_drafts(len(decodes)) and any(self.speculator.may_draft(r) for r in decodes)
 
     @staticmethod
     def _decodable(req: Req) -> bool:

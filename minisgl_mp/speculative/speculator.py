@@ -85,11 +85,21 @@ class NgramSpeculator:
         p = req.params
         return req.grammar is None and not p.has_penalties and req.seq_len + 1 < req.max_seq_len
 
+    def batch_drafts(self, num_decodes: int) -> bool:
+        """Whether a step of `num_decodes` decodes drafts at all: a batch past max_batch_tokens
+        does not, as there the step is bound by compute and extra tokens cost about what they
+        could save."""
+        return num_decodes * (self.k + 1) <= self.max_batch_tokens
+
+    def may_draft(self, req: Req) -> bool:
+        """Whether `req` could draft in its next step (not paused by its policy); changes nothing.
+        Overlap scheduling reads a step's tokens before the next is scheduled only if so."""
+        return self.can_draft(req) and (req.spec is None or req.spec.policy.pause == 0)
+
     def drafts(self, decodes: list[Req]) -> list[list[int]]:
-        """Each decoding request's draft for this step ([] for none). A batch past
-        max_batch_tokens drafts nothing: there the step is bound by compute, and extra tokens
-        cost about what they could save."""
-        if len(decodes) * (self.k + 1) > self.max_batch_tokens:
+        """Each decoding request's draft for this step ([] for none). A request whose last token
+        is still unread (overlap scheduling: the step before is in flight) decodes plainly."""
+        if not self.batch_drafts(len(decodes)):
             return [[] for _ in decodes]
         out = []
         for req in decodes:
@@ -97,7 +107,7 @@ class NgramSpeculator:
                 out.append([])
                 continue
             st = self.state(req)
-            if not st.policy.wants_draft():
+            if not st.policy.wants_draft() or req.token_ids[-1] < 0:
                 out.append([])
                 continue
             idx = st.index
