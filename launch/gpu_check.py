@@ -22,7 +22,7 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
   decode steps free of syncs other than the one for the previous step's tokens;
 - n-gram speculative decoding on the defaults (verify steps in CUDA graphs, overlap scheduling)
-  on the real default model: greedy and seeded answers identical to plain decoding, the verify
+  on the real default model, in float32: greedy and seeded answers identical to plain decoding, the verify
   graphs replayed, copy-heavy out tok/s one request at a time with and without it;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
 The report is rewritten after every check, so a run cut short still leaves what it measured.
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                    args.attention_backend))
     # Random weights copy nothing: the real model where it is (`make model`), so drafts are accepted.
     spec_model = args.spec_model if Path(args.spec_model).exists() else small.engine_model
-    run("speculative", lambda: checks.speculative(spec_model, args.device, dtype, args.quick, args.attention_backend))
+    run("speculative", lambda: checks.speculative(spec_model, args.device, args.quick, args.attention_backend))
     # (tag, disable_cuda_graph, disable_overlap_schedule, cuda_fused_ops): no graphs, overlap or
     # Triton element-wise kernels on the CPU.
     modes = [("eager", True, True, False), ("cuda_graph", False, True, False),

@@ -403,12 +403,15 @@ def hf_baseline(model: BenchModel, device: str, dtype: torch.dtype, sizes: Sizes
     return {"ok": True, **run_workload("hf_static", workload, static.generate).to_dict()}
 
 
-def speculative(model: str, device: str, dtype: torch.dtype, quick: bool,
-                attention_backend: str = "auto") -> dict[str, Any]:
+def speculative(model: str, device: str, quick: bool, attention_backend: str = "auto") -> dict[str, Any]:
     """N-gram speculation on the device's defaults (CUDA graphs for decode and verify steps,
     overlap scheduling): greedy answers identical to plain decoding, copy-heavy requests one at a
     time and 16 at once plus free text; seeded sampling identical; out tok/s one request at a
-    time with and without it (the real model, so that drafts are accepted as in use)."""
+    time with and without it (the real model, so that drafts are accepted as in use). In
+    float32: a verify row and a decode row go through different attention kernels, and in
+    16-bit their roundings could part near-tied greedy choices, which says nothing of the
+    verification."""
+    dtype = torch.float32
     from minisgl_mp.bench.spec import _prompts
 
     tokens = 16 if quick else 128
