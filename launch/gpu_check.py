@@ -22,8 +22,8 @@ Checks, each recorded in the JSON with `ok` (the exit status is 1 when any faile
 - overlap scheduling's outputs against those without it (greedy, seeded, penalized), and its
   decode steps free of syncs other than the one for the previous step's tokens;
 - n-gram speculative decoding on the defaults (verify steps in CUDA graphs, overlap scheduling)
-  on the real default model, in float32: greedy and seeded answers identical to plain decoding, the verify
-  graphs replayed, copy-heavy out tok/s one request at a time with and without it;
+  on the real default model, in float32: greedy and seeded answers identical to plain decoding,
+  the verify graphs replayed, copy-heavy out tok/s one request at a time with and without it;
 - transformers `generate` (static batches) on the first 64 requests, as the baseline.
 The report is rewritten after every check, so a run cut short still leaves what it measured.
 """
