@@ -343,13 +343,14 @@ def test_one_bench_command_lists_and_runs_every_subcommand(capsys: pytest.Captur
 
 def test_spec_bench_answers_equal_plain_decoding(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
-    assert load_tool("spec").main(["--model", str(tiny_model_dir), "--workloads", "copy,copy-batch",
-                                   "--num-prompts", "2", "--concurrency", "2", "--max-tokens", "8",
+    assert load_tool("spec").main(["--model", str(tiny_model_dir), "--workloads", "copy,copy-batch,free-batch",
+                                   "--num-prompts", "2", "--concurrency", "2", "--max-tokens", "8", "--repeats", "2",
                                    "--no-hf", "--threads", "1", "--out", str(out)]) == 0
     report = read(out)
-    for workload in ("copy", "copy-batch"):
+    for workload in ("copy", "copy-batch", "free-batch"):
         runs = report["results"][workload]
         assert set(runs) == {"plain", "ngram-k4"}
         for r in runs.values():
             assert r["identical"] == r["compared"] > 0 and r["output_tps"] > 0
+            assert len(r["runs_output_tps"]) == 2 and r["output_tps"] in r["runs_output_tps"]
         assert report["speedups"][workload]["plain"] == 1.0

@@ -162,6 +162,11 @@ def test_a_question_asked_again_drafts_from_the_first_answer(plain: LLM, spec: L
     # The answer copies nothing from its prompt; the second time it copies the first answer.
     assert second["usage"]["spec_accept_length"] >= 3.0, (first["usage"], second["usage"])
     assert second["usage"]["spec_verify_ct"] < first["usage"].get("spec_verify_ct", 0) + 48
+    # Flushing the cache forgets finished text too: the third time is the first again.
+    spec.scheduler.flush_cache()
+    third = spec.generate(prompt, params)[0]
+    same([third], [want])
+    assert third["usage"].get("spec_accept_length", 0) < second["usage"]["spec_accept_length"], third["usage"]
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -1,6 +1,6 @@
 """N-gram speculative decoding against plain decoding, on the same requests in the same run.
 
-    python -m minisgl_mp.bench spec                     # SmolLM2-135M-Instruct, all three workloads
+    python -m minisgl_mp.bench spec                     # SmolLM2-135M-Instruct, every workload
     python -m minisgl_mp.bench spec --workloads copy --num-draft-tokens 4,8
     python -m minisgl_mp.bench spec --no-hf             # without transformers' prompt lookup
 
@@ -8,11 +8,14 @@ Workloads, chat prompts to the instruction-tuned model, greedy:
   copy        one request at a time, each asking to repeat, lightly edit or extract from a passage
               it is given (the work n-gram drafts are for);
   free        one request at a time, open questions with nothing to copy (drafting must not cost);
-  copy-batch  the copy prompts, `--concurrency` at once.
-Each runs with the engine plain, then with `--speculative-algorithm NGRAM` per draft length
-(engines loaded one after the other, in one process). The answers must be identical token for
-token (the run says where they are not); output tok/s, the ratio to plain, and the accepted
-length (tokens per verification step) are printed and written as JSON. Beside them, batch 1
+  copy-batch  the copy prompts, `--concurrency` at once;
+  free-batch  the open questions, `--concurrency` at once (each numbered, so no two are the same).
+Each runs with the engine plain, then with `--speculative-algorithm NGRAM` per draft length and
+cap, all loaded in one process; with `--repeats N` the configurations take turns N times (the
+prefix cache flushed before each run) and the median run counts, so drift on the host falls on
+all alike. The answers must be identical token for token (the run says where they are not);
+output tok/s, the ratio to plain, and the accepted length (tokens per verification step) are
+printed and written as JSON. Beside them, batch 1
 only, transformers' own n-gram speculation: `generate(prompt_lookup_num_tokens=K)` against its
 plain `generate`, the first thing a transformers user would try.
 """
@@ -32,7 +35,7 @@ from minisgl_mp.bench.report import machine_info, ratio, table, write_json
 from minisgl_mp.llm import LLM
 from minisgl_mp.sampling_params import SamplingParams
 
-WORKLOADS = ("copy", "free", "copy-batch")
+WORKLOADS = ("copy", "free", "copy-batch", "free-batch")
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff, its white paint peeling in the salt wind. Every night "
@@ -92,7 +95,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", default=None,
                    help="--speculative-max-batch-tokens values to run, comma-separated (default: the engine's)")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per workload (default 8)")
-    p.add_argument("--concurrency", type=int, default=32, help="copy-batch: requests at once (default 32)")
+    p.add_argument("--concurrency", type=int, default=32, help="the batch workloads: requests at once (default 32)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each configuration, taking turns; the median counts (default 1)")
     p.add_argument("--max-tokens", type=int, default=160, help="output limit per request (default 160)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None)
@@ -106,6 +111,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _prompts(llm: LLM, workload: str, n: int, concurrency: int) -> list[list[int]]:
     if workload == "free":
         texts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+    elif workload == "free-batch":
+        texts = [f"Question {i + 1}. {QUESTIONS[i % len(QUESTIONS)]}" for i in range(concurrency)]
     else:
         count = concurrency if workload == "copy-batch" else n
         texts = [TASKS[i % len(TASKS)].format(PASSAGES[i % len(PASSAGES)]) for i in range(count)]
@@ -171,17 +178,25 @@ def main(argv: list[str] | None = None) -> int:
             configs.append((f"ngram-k{k}" + (f"-cap{cap}" if cap is not None else ""), extra))
     results: dict[str, dict[str, Any]] = {w: {} for w in workloads}
     prompts: dict[str, list[list[int]]] = {}
-    for name, extra in configs:
-        llm = LLM(args.model, **engine_kwargs, **extra)
-        for w in workloads:
-            prompts.setdefault(w, _prompts(llm, w, args.num_prompts, args.concurrency))
-            results[w][name] = _run_engine(llm, prompts[w], w == "copy-batch", params)
-            r = results[w][name]
-            print(f"{w:10s} {name:9s} {r['output_tps']:7.1f} tok/s  accept {r['spec_accept_length'] or '-'}",
-                  flush=True)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    llms = {name: LLM(args.model, **engine_kwargs, **extra) for name, extra in configs}
+    for _ in range(max(args.repeats, 1)):
+        for name, llm in llms.items():
+            for w in workloads:
+                prompts.setdefault(w, _prompts(llm, w, args.num_prompts, args.concurrency))
+                llm.scheduler.flush_cache()
+                r = _run_engine(llm, prompts[w], w.endswith("-batch"), params)
+                runs.setdefault((w, name), []).append(r)
+                print(f"{w:10s} {name:9s} {r['output_tps']:7.1f} tok/s  accept {r['spec_accept_length'] or '-'}",
+                      flush=True)
+    for (w, name), rs in runs.items():
+        tps = sorted(r["output_tps"] for r in rs)
+        median = next(r for r in rs if r["output_tps"] == tps[len(tps) // 2])
+        results[w][name] = {**median, "runs_output_tps": [r["output_tps"] for r in rs]}
+    for llm in llms.values():
         llm.shutdown()
-        del llm
-        gc.collect()
+    del llms
+    gc.collect()
     if args.hf:
         _hf_runs(args, workloads, prompts, results, drafts)
 
@@ -200,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(["workload", "system", "tokens", "tok/s", "x own plain", "accept len", "identical"], rows))
     report = {"bench": "spec", "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-              "max_tokens": args.max_tokens, "concurrency": args.concurrency, "machine": machine_info(),
+              "max_tokens": args.max_tokens, "concurrency": args.concurrency, "repeats": args.repeats,
+              "machine": machine_info(),
               "date": time.strftime("%Y-%m-%d"), "speedups": summary,
               "results": {w: {n: {k: v for k, v in r.items() if k != "token_ids"} for n, r in rs.items()}
                           for w, rs in results.items()}}
@@ -229,7 +245,7 @@ def _hf_runs(args: argparse.Namespace, workloads: list[str], prompts: dict[str, 
     hf.eval()
     with torch.inference_mode():
         for w in workloads:
-            if w == "copy-batch":
+            if w.endswith("-batch"):
                 continue
             some = prompts[w][:args.hf_prompts]
             results[w]["hf-generate"] = _run_hf(hf, some, args.max_tokens, None)

@@ -424,6 +424,8 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
     def flush_cache(self) -> int:
         if self.running or self.waiting:
             raise RuntimeError(f"cannot flush the cache while {len(self.running) + len(self.waiting)} requests run")
+        if self.speculator is not None:  # finished requests' text, which drafts for later ones
+            self.speculator.shared.clear()
         return self.kv.flush()
 
     def engine_stats(self) -> dict[str, Any]:

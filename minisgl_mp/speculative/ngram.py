@@ -85,6 +85,9 @@ class SharedNgrams:
     def __len__(self) -> int:
         return len(self._at)
 
+    def clear(self) -> None:
+        self._at.clear()
+
     def add(self, tokens: list[int]) -> None:
         seq, n, at = tuple(tokens), self.n, self._at
         for end in range(n, len(seq)):  # (the last n-gram has nothing after it)
