@@ -411,8 +411,7 @@ def speculative(model: str, device: str, quick: bool, attention_backend: str = "
     float32: a verify row and a decode row go through different attention kernels, and in
     16-bit their roundings could part near-tied greedy choices, which says nothing of the
     verification."""
-    dtype = torch.float32
-    from minisgl_mp.bench.spec import _prompts
+    from minisgl_mp.bench.spec import timed_generate, workload_prompts
 
     tokens = 16 if quick else 128
     greedy = SamplingParams(max_tokens=tokens, temperature=0)
@@ -421,7 +420,7 @@ def speculative(model: str, device: str, quick: bool, attention_backend: str = "
     answers: dict[bool, dict[str, list[list[int]]]] = {}
     for spec in (False, True):
         kwargs = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4} if spec else {}
-        llm = LLM(model, device=device, dtype=str(dtype).split(".")[-1], max_running_requests=32,
+        llm = LLM(model, device=device, dtype="float32", max_running_requests=32,
                   attention_backend=attention_backend, **({"kv_cache_gb": 0.25} if device == "cpu" else {}),
                   **kwargs)
         runner = llm.scheduler.runner
@@ -433,26 +432,18 @@ def speculative(model: str, device: str, quick: bool, attention_backend: str = "
                 replays["verify_graph"] += 1
                 return _replay(*a)
             runner.verify_graphs.replay = counted  # type: ignore[method-assign]
-        copy = _prompts(llm, "copy", 2 if quick else 8, 1)
-        free = _prompts(llm, "free", 2 if quick else 8, 1)
-        batch = _prompts(llm, "copy-batch", 0, 4 if quick else 16)
-        llm.generate(copy[0][:16], SamplingParams(max_tokens=4, temperature=0))  # warm up
-        t0 = time.perf_counter()
-        one = [llm.generate(p, greedy)[0] for p in copy]
-        seconds = time.perf_counter() - t0
-        usage = [o["usage"] for o in one]
-        verify = sum(u.get("spec_verify_ct", 0) for u in usage)
+        copy = workload_prompts(llm, "copy", 2 if quick else 8, 1)
+        free = workload_prompts(llm, "free", 2 if quick else 8, 1)
+        batch = workload_prompts(llm, "copy-batch", 0, 4 if quick else 16)
+        one = timed_generate(llm, copy, False, greedy)
         answers[spec] = {
-            "copy": [o["token_ids"] for o in one],
+            "copy": one["token_ids"],
             "free": [o["token_ids"] for o in llm.generate(free, greedy)],
             "copy_batch": [o["token_ids"] for o in llm.generate(batch, greedy)],
             "seeded": [o["token_ids"] for o in llm.generate(copy + free, seeded)],
         }
-        tag = "ngram" if spec else "plain"
-        out[tag] = {
-            "copy_one_at_a_time_out_tps": sum(len(o["token_ids"]) for o in one) / seconds,
-            "spec_accept_length": (sum(u.get("spec_verify_ct", 0) * u.get("spec_accept_length", 0) for u in usage)
-                                   / verify if verify else None),
+        out["ngram" if spec else "plain"] = {
+            "copy_one_at_a_time_out_tps": one["output_tps"], "spec_accept_length": one["spec_accept_length"],
             "overlap": llm.scheduler.overlap,
             "verify_graph_sizes": list(runner.verify_graphs.sizes) if runner.verify_graphs is not None else [],
             "verify_graph_replays": replays["verify_graph"],

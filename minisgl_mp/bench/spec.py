@@ -108,7 +108,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_results/spec.json")
 
 
-def _prompts(llm: LLM, workload: str, n: int, concurrency: int) -> list[list[int]]:
+def workload_prompts(llm: LLM, workload: str, n: int, concurrency: int) -> list[list[int]]:
     if workload == "free":
         texts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
     elif workload == "free-batch":
@@ -121,7 +121,7 @@ def _prompts(llm: LLM, workload: str, n: int, concurrency: int) -> list[list[int
                                                tokenize=False), add_special_tokens=False) for t in texts]
 
 
-def _run_engine(llm: LLM, prompts: list[list[int]], batch: bool, params: SamplingParams) -> dict[str, Any]:
+def timed_generate(llm: LLM, prompts: list[list[int]], batch: bool, params: SamplingParams) -> dict[str, Any]:
     llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0))  # warm the kernels
     t0 = time.perf_counter()
     if batch:
@@ -183,15 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(max(args.repeats, 1)):
         for name, llm in llms.items():
             for w in workloads:
-                prompts.setdefault(w, _prompts(llm, w, args.num_prompts, args.concurrency))
+                prompts.setdefault(w, workload_prompts(llm, w, args.num_prompts, args.concurrency))
                 llm.scheduler.flush_cache()
-                r = _run_engine(llm, prompts[w], w.endswith("-batch"), params)
+                r = timed_generate(llm, prompts[w], w.endswith("-batch"), params)
                 runs.setdefault((w, name), []).append(r)
                 print(f"{w:10s} {name:9s} {r['output_tps']:7.1f} tok/s  accept {r['spec_accept_length'] or '-'}",
                       flush=True)
     for (w, name), rs in runs.items():
-        tps = sorted(r["output_tps"] for r in rs)
-        median = next(r for r in rs if r["output_tps"] == tps[len(tps) // 2])
+        median = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
         results[w][name] = {**median, "runs_output_tps": [r["output_tps"] for r in rs]}
     for llm in llms.values():
         llm.shutdown()

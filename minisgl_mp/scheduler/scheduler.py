@@ -344,17 +344,16 @@ class Scheduler(AdmissionMixin, OutputProcessorMixin, StepFailureMixin):
         request's tokens, and a verification's tokens are taken only when it is processed."""
         if any(r.grammar is not None for r in prev.batch.sampled_reqs):
             return True
-        if prev.batch.verifies or self._may_draft():
+        decodes = [r for r in self.running if self._decodable(r)]
+        if prev.batch.verifies or self._may_draft(decodes):
             return True
-        pages = sum(self.kv.pages_for(r, 1) for r in self.running if self._decodable(r))
+        pages = sum(self.kv.pages_for(r, 1) for r in decodes)
         return pages * self.kv.page_size > self.kv.available_tokens
 
-    def _may_draft(self) -> bool:
-        """Whether the next step could draft for some request (speculative decoding)."""
-        if self.speculator is None:
-            return False
-        decodes = [r for r in self.running if self._decodable(r)]
-        return self.speculator.batch_drafts(len(decodes)) and any(self.speculator.may_draft(r) for r in decodes)
+    def _may_draft(self, decodes: list[Req]) -> bool:
+        """Whether the next step could draft for one of `decodes` (speculative decoding)."""
+        spec = self.speculator
+        return spec is not None and spec.batch_drafts(len(decodes)) and any(spec.may_draft(r) for r in decodes)
 
     @staticmethod
     def _decodable(req: Req) -> bool:
