@@ -123,18 +123,23 @@ def workload_prompts(llm: LLM, workload: str, n: int, concurrency: int) -> list[
 
 def timed_generate(llm: LLM, prompts: list[list[int]], batch: bool, params: SamplingParams) -> dict[str, Any]:
     llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0))  # warm the kernels
+    before = llm.scheduler.engine_stats()
     t0 = time.perf_counter()
     if batch:
         outs = llm.generate(prompts, params)
     else:
         outs = [llm.generate(p, params)[0] for p in prompts]
     elapsed = time.perf_counter() - t0
+    after = llm.scheduler.engine_stats()
     tokens = sum(len(o["token_ids"]) for o in outs)
     verify = sum(o["usage"].get("spec_verify_ct", 0) for o in outs)
     accepted = sum(o["usage"].get("spec_verify_ct", 0) * (o["usage"].get("spec_accept_length", 1.0) - 1)
                    for o in outs)
     return {"seconds": elapsed, "output_tokens": tokens, "output_tps": tokens / elapsed,
             "spec_verify_ct": verify, "spec_accept_length": 1 + accepted / verify if verify else None,
+            # The steps it took and the draft tokens they ran: in a batch the steps are set by
+            # its slowest request, so drafts that do not shorten it only cost rows.
+            **{k: after[k] - before[k] for k in ("steps", "spec_drafted_tokens", "spec_accepted_tokens")},
             "token_ids": [o["token_ids"] for o in outs]}
 
 
