@@ -27,7 +27,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
 
 
 # key_splits: None is the default (split only when requests are fewer than 2 x threads); the
-# others force a request's keys into that many ranges (of at least 64 keys) merged afterwards.
+# others force a request's key blocks (128 keys each) into that many runs merged afterwards.
 @pytest.mark.parametrize("key_splits", [None, 1, 3, 8])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 128), (16, 8, 128), (6, 1, 32)])
 def test_kernel_matches_sdpa(hq: int, hkv: int, d: int, key_splits: int | None) -> None:
@@ -89,7 +89,7 @@ def test_decode_kernel_on_every_vector_path(isa: str, kv_dtype: torch.dtype, hq:
     values in registers, in runs of the most vectors that divide the head dim: every build this
     machine makes must match sdpa for head dims of 1-16 vectors and one that is no whole number
     of them (40: the per-key path), query groups in pairs and odd ones (6 / 2: three a head),
-    and contexts ending inside a chunk, at a key tile (256) and past one; extends beside them."""
+    and contexts ending inside a chunk, at a key block (128) and past one; extends beside them."""
     if cpu_kernel.load(isa) is None:
         pytest.skip("no C compiler: the kernels are not built here")
     q_lens = [1, 1, 1, 1, 1, 3, 1]
@@ -104,6 +104,50 @@ def test_decode_kernel_on_every_vector_path(isa: str, kv_dtype: torch.dtype, hq:
             rows = slice(int(q_start[b]), int(q_start[b]) + nq)
             want = reference(q[rows], k.float(), v.float(), kv_index[b, :nk], nq)
             torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 8, 128), (6, 2, 40)])
+def test_a_row_gives_the_same_bits_however_it_is_batched(isa: str, kv_dtype: torch.dtype, hq: int, hkv: int,
+                                                          d: int) -> None:
+    """Speculative decoding checks a request's drafts as one extend of K + 1 query rows, and its
+    greedy answers must be those of decoding token by token: wherever two logits nearly tie, a
+    last-bit difference picks another token. So each query row of an extend must give exactly
+    (bit for bit) what the same row decoded alone gives, whatever else is in the batch and
+    however the call splits requests over threads: extends that cross a key block (128), end on
+    one, or start inside the first chunk, against every row decoded by itself and in a batch."""
+    if cpu_kernel.load(isa) is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    q_lens = [5, 12, 9, 3, 16]
+    kv_lens = [131, 134, 256, 3, 700]  # rows at positions 126..130, 122..133, 247..255, 0..2, 684..699
+    q, k, v, kv_index, q_start, ql, kl = ragged_batch(hq, hkv, d, q_lens, kv_lens, 2000, hq * 100 + d, 3.0,
+                                                      kv_dtype=kv_dtype)
+    scale = d**-0.5
+    extended = []
+    for key_splits in (1, 2, 4):
+        out = torch.empty_like(q)
+        cpu_kernel.paged_attention(q, k, v, kv_index, q_start, ql, kl, out, scale, key_splits, isa=isa)
+        extended.append(out)
+    assert all(torch.equal(extended[0], o) for o in extended[1:])
+    # every row decoded alone (split or not), then all of them as one batch of decodes
+    rows = [(b, i) for b, nq in enumerate(q_lens) for i in range(nq)]
+    for b, i in rows:
+        r = int(q_start[b]) + i
+        pos = kv_lens[b] - q_lens[b] + i
+        for key_splits in (1, 4):
+            alone = torch.empty(1, hq, d)
+            cpu_kernel.paged_attention(q[r:r + 1].contiguous(), k, v, kv_index[b:b + 1].contiguous(),
+                                       torch.tensor([0]), torch.tensor([1]), torch.tensor([pos + 1]), alone, scale,
+                                       key_splits, isa=isa)
+            assert torch.equal(alone[0], extended[0][r]), (b, i, key_splits)
+    idx = torch.tensor([int(q_start[b]) + i for b, i in rows])
+    decodes = torch.empty(len(rows), hq, d)
+    cpu_kernel.paged_attention(q[idx].contiguous(), k, v, kv_index[[b for b, _ in rows]].contiguous(),
+                               torch.arange(len(rows)), torch.ones(len(rows), dtype=torch.int64),
+                               torch.tensor([kv_lens[b] - q_lens[b] + i + 1 for b, i in rows]), decodes, scale,
+                               isa=isa)
+    assert torch.equal(decodes, extended[0][idx])
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -122,12 +166,12 @@ def test_bad_inputs_are_refused() -> None:
 
 
 def test_long_context_decode_beside_an_extend_in_bounded_scratch() -> None:
-    """Keys go through the kernel in tiles with an online softmax: a decode over a long context
+    """Keys go through the kernel in blocks with partials merged in order: a decode over a long context
     beside a full-length extend must match SDPA, with a scratch sized by query rows only (it
     used to be rows x the longest context: ~335 MB for a 128-token extend beside a 40k decode)."""
     hq, hkv, d = 4, 2, 32
     q_lens = [1, 128, 1, 3]  # 128: the most the kernel is built for
-    kv_lens = [20_000, 128 + 300, 257, 513]  # tile edges: 256 and 512
+    kv_lens = [20_000, 128 + 300, 257, 513]  # past block edges (256, 512)
     # q * 4: peaky, the running max moves
     q, k, v, kv_index, q_start, _, _ = ragged_batch(hq, hkv, d, q_lens, kv_lens, 24_000, 11, 4.0)
     out = torch.full_like(q, float("nan"))

@@ -1,8 +1,9 @@
 """N-gram speculative decoding (`--speculative-algorithm NGRAM`), as a user would check it: on the
 real model, a request that copies its prompt runs fewer steps and says exactly what it says
 without speculation, greedy or seeded; stops, limits, logprobs, retraction, chunked prefill and
-pages of 16 keep the answers; requests with penalties decode without drafts; the server reports
-the accepted length in usage, meta_info and /metrics, and an aborted stream leaves no KV behind.
+pages of 16 keep the answers, and so do bfloat16 weights 32 requests at once; requests with
+penalties decode without drafts; the server reports the accepted length in usage, meta_info and
+/metrics, and an aborted stream leaves no KV behind.
 The verification's sampling keeps the model's distribution (a statistical test over seeds)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from hf_reference import torch_threads
 from minisgl_mp import LLM, SamplingParams
+from minisgl_mp.kernels import cpu as cpu_kernels
 from minisgl_mp.scheduler.req import Req
 from minisgl_mp.scheduler.sampler import Sampler
 from minisgl_mp.speculative.speculator import NgramSpeculator
@@ -233,6 +235,32 @@ def test_retraction_chunked_prefill_and_pages_of_16_keep_answers(model_dir: Path
         assert_no_leak(small)
         small.shutdown()
     assert retractions > 0, "no pool forced a retraction"
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(not (cpu_kernels.amx_ready() or cpu_kernels.bf16dot_ready()),
+                    reason="bfloat16 products take one set of numerics for every batch only on AMX tiles or "
+                           "AVX512-BF16 dot products; the widening kernel elsewhere does not")
+def test_bfloat16_weights_keep_answers_32_at_once(model_dir: Path) -> None:
+    """`--dtype bfloat16` (products on AMX tiles or AVX512-BF16 dot products, x rounded to
+    bfloat16): rounding magnifies a last-bit difference in the attention's output, and a
+    verification step's query rows used to differ in those bits from the same rows decoded one
+    at a time (the kernel scored an extend's last keys in another loop, and split a request's
+    keys by its length), so one answer in 32 of `bench spec`'s copy-heavy batch changed. Now
+    every row gives the same bits however it is batched, and the answers are the same."""
+    from minisgl_mp.bench.spec import workload_prompts
+
+    plain16 = make_llm(model_dir, dtype="bfloat16", max_running_requests=32)
+    spec16 = make_llm(model_dir, dtype="bfloat16", max_running_requests=32, speculative_algorithm="NGRAM")
+    batch = workload_prompts(plain16, "copy-batch", 0, 32)
+    params = SamplingParams(max_tokens=160, temperature=0)
+    want = plain16.generate(batch, params)
+    same(spec16.generate(batch, params), want)
+    assert spec16.scheduler.engine_stats()["spec_accepted_tokens"] > 0
+    same([spec16.generate(batch[1], params)[0]], [want[1]])  # and one alone
+    assert_no_leak(spec16)
+    plain16.shutdown()
+    spec16.shutdown()
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -13,8 +13,9 @@
  *   q_len      [B]             query tokens of request b (its newest tokens)
  *   kv_len     [B]             tokens of request b with KV in the pool, queries included
  * Query i of request b sits at position kv_len - q_len + i and sees keys [0, that position].
- * Work is split over requests (and over ranges of a request's keys when requests are few);
- * the Hq / Hkv query heads of a kv head share its reads.
+ * Work is split over requests (and over runs of a request's key blocks when requests are few);
+ * the Hq / Hkv query heads of a kv head share its reads. A query row's result is the same, bit
+ * for bit, whatever the batch, the split or the other rows of its request (see KEY_BLOCK).
  */
 #include <math.h>
 #include <stdint.h>
@@ -81,10 +82,22 @@ static inline float kv_at(const void *base, int64_t off, int bf16) {
 #define PF_HINT 2
 #endif
 
-/* One query row . one key (any d). */
+/* One query row . one key (any d). Where n is a whole number of vectors this is dot4's
+ * arithmetic for one key: the same lane accumulators, then the halving tree hsum4 takes (upper
+ * half onto lower, down to one lane), so a key's score does not depend on which loop computed
+ * it: an extend's later query rows score their last keys here, the same query decoded alone
+ * scores them in dot4 (see attend). */
 static inline float dot(const float *restrict q, const void *kv, int64_t off, int64_t n, int bf16) {
+    if (n % VW == 0) {
+        vf a = {0};
+        for (int64_t j = 0; j < n; j += VW) a += vload(q + j) * kv_load(kv, off + j, bf16);
+        float lanes[VW];
+        memcpy(lanes, &a, sizeof a);
+        for (int w = VW / 2; w >= 1; w /= 2)
+            for (int i = 0; i < w; ++i) lanes[i] += lanes[i + w];
+        return lanes[0];
+    }
     float s = 0.0f;
-#pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < n; ++i) s += q[i] * kv_at(kv, off + i, bf16);
     return s;
 }
@@ -178,21 +191,46 @@ static inline void dot4x2(const float *restrict q0, const float *restrict q1, co
     hsum4(c0, c1, c2, c3, out1);
 }
 
-/* Keys are taken KEY_TILE at a time with an online softmax (running max and sum per query row,
- * the accumulator rescaled when the max grows), so a thread's scratch is bounded by its query
- * rows, never by the context: one long request beside an extend must not need a score row per
- * key of the longest context. */
-#define KEY_TILE 256
+/* The numerics do not depend on how a request is batched, split or decoded (a verification
+ * step's query rows must give exactly what decoding them one at a time gives, or speculative
+ * decoding would change greedy answers wherever two logits nearly tie). So a row's keys fall in
+ * fixed blocks of KEY_BLOCK positions, [0, KEY_BLOCK), [KEY_BLOCK, 2 KEY_BLOCK), ..., whatever
+ * the request's length; each block gives the row a partial (its max, its sum of exponentials
+ * and its unnormalised accumulator), and the partials are merged in block order (merge_block)
+ * by whichever thread holds them. Splitting a request over threads only decides where the
+ * partials are merged, never the arithmetic; a thread's scratch stays bounded by its query
+ * rows, never by the context. */
+#define KEY_BLOCK 128
 
-/* Keys a split of a request's context gets at least: below it the merge costs more than the
- * second thread's reads save. */
-#define MIN_SPLIT_KEYS 64
+/* The part buffer (the split requests' block partials) is kept under this size: a call that
+ * would need more runs unsplit, with the same results. */
+#define MAX_PART_BYTES ((size_t)64 << 20)
 
-/* The key ranges a request of nk keys is split into: at most key_splits, each of at least
- * MIN_SPLIT_KEYS keys. */
+static inline int64_t request_blocks(int64_t nk) { return (nk + KEY_BLOCK - 1) / KEY_BLOCK; }
+
+/* The threads a request of nk keys is split over: at most key_splits, at least a block each. */
 static inline int64_t request_splits(int64_t nk, int64_t key_splits) {
-    const int64_t most = nk / MIN_SPLIT_KEYS;
-    return key_splits < most ? key_splits : most > 1 ? most : 1;
+    const int64_t blocks = request_blocks(nk);
+    return key_splits < blocks ? key_splits : blocks;
+}
+
+/* One row's state (acc[d], *m, *s) absorbs a block's partial (blk[d], bm, bs); a block the
+ * row sees no key of (bm = -inf) leaves it as it is. The state starts at (0, -inf, 0). */
+static inline void merge_block(float *restrict acc, float *m, float *s, const float *restrict blk, float bm,
+                               float bs, int64_t d) {
+    if (bm == -INFINITY) return;
+    const float mn = bm > *m ? bm : *m;
+    const float a = exp_nonpos(*m - mn), c = exp_nonpos(bm - mn); /* a is 0 on the first block */
+    *s = *s * a + bs * c;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) acc[j] = acc[j] * a + blk[j] * c;
+    *m = mn;
+}
+
+static inline void normalise(float *out, const float *acc, float sum, int64_t d) {
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) out[j] = acc[j] * inv;
 }
 
 /* Accumulator vectors a row keeps in registers in pv_rows: R rows x DC vectors plus DC loaded
@@ -279,24 +317,162 @@ static inline __attribute__((always_inline)) void pv_head(float *acc, int64_t ac
     }
 }
 
+/* One block's partial for every query row of request b (keys [t0, t1), the query rows seeing
+ * keys [0, first + i]): scores, their max and exponentials per row into blk_max / blk_sum, and
+ * the weighted values into blk (zeroed here). A row that sees none of the block gets max -inf.
+ * `bf16` is a literal at the call site. */
+static inline __attribute__((always_inline)) void block_partial(
+    const float *qb, const void *k, const void *v, const int64_t *slots, int64_t nq, int64_t first, int64_t t0,
+    int64_t t1, int64_t next_end, int64_t hq, int64_t hkv, int64_t d, float scale, float *scores, float *blk,
+    float *blk_max, float *blk_sum, const int bf16) {
+    const int64_t groups = hq / hkv, row_elems = hkv * d, rows = nq * hq;
+    const int64_t esize = bf16 ? 2 : 4, row_bytes = row_elems * esize;
+    memset(blk, 0, sizeof(float) * (size_t)(rows * d));
+    /* [t0, all) are the keys of the block every query row sees (all of a decode's). They go in
+     * chunks of KEY_CHUNK, kv head by kv head, each load of a chunk's rows beside a prefetch of
+     * the row PF_AHEAD keys on (stream_rows): the keys, then the values. Only the first query
+     * token's pass prefetches (an extend's later ones would only repeat it, at the cost of a
+     * load slot each). */
+    const int64_t all = first + 1 < t1 ? first + 1 : t1;
+    int64_t t = t0;
+    if (d % 16 == 0)
+        for (int64_t c0 = t0; c0 + 4 <= all; c0 += KEY_CHUNK) {
+            const int64_t c1 = c0 + ((all - c0 < KEY_CHUNK ? all - c0 : KEY_CHUNK) & ~(int64_t)3);
+            const char *pf[KEY_CHUNK];
+            stream_rows(pf, c0, c1 - c0, slots, row_bytes, k, all, v, t0, all);
+            for (int64_t h = 0; h < hkv; ++h) {
+                const int64_t hb = h * d * esize;
+                for (int64_t i = 0; i < nq; ++i) {
+                    int64_t qh = h * groups;
+                    const int64_t qe = qh + groups;
+                    for (; qh + 2 <= qe; qh += 2) /* query heads in pairs of one kv head */
+                        for (int64_t c = c0; c < c1; c += 4) {
+                            const char *ph[4] = {pf[c - c0] + hb, pf[c - c0 + 1] + hb, pf[c - c0 + 2] + hb,
+                                                 pf[c - c0 + 3] + hb};
+                            float s0[4], s1[4];
+                            dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k,
+                                   slots[c] * row_elems + h * d, slots[c + 1] * row_elems + h * d,
+                                   slots[c + 2] * row_elems + h * d, slots[c + 3] * row_elems + h * d, d, bf16,
+                                   i == 0 ? ph : NULL, s0, s1);
+                            float *row0 = scores + (i * hq + qh) * KEY_BLOCK + (c - t0);
+                            float *row1 = row0 + KEY_BLOCK;
+                            for (int x = 0; x < 4; ++x) {
+                                row0[x] = s0[x] * scale;
+                                row1[x] = s1[x] * scale;
+                            }
+                        }
+                    for (; qh < qe; ++qh)
+                        for (int64_t c = c0; c < c1; c += 4) {
+                            const char *ph[4] = {pf[c - c0] + hb, pf[c - c0 + 1] + hb, pf[c - c0 + 2] + hb,
+                                                 pf[c - c0 + 3] + hb};
+                            float sc[4];
+                            dot4(qb + (i * hq + qh) * d, k, slots[c] * row_elems + h * d,
+                                 slots[c + 1] * row_elems + h * d, slots[c + 2] * row_elems + h * d,
+                                 slots[c + 3] * row_elems + h * d, d, bf16, i == 0 ? ph : NULL, sc);
+                            float *row = scores + (i * hq + qh) * KEY_BLOCK + (c - t0);
+                            for (int x = 0; x < 4; ++x) row[x] = sc[x] * scale;
+                        }
+                }
+            }
+            t = c1;
+        }
+    for (; t < t1; ++t) {
+        const int64_t kr = slots[t] * row_elems;
+        const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
+        for (int64_t i = i0; i < nq; ++i)
+            for (int64_t qh = 0; qh < hq; ++qh)
+                scores[(i * hq + qh) * KEY_BLOCK + (t - t0)] =
+                    dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
+    }
+    /* The block's softmax per row: its max, the exponentials and their sum. */
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t seen = first + r / hq + 1 - t0; /* keys of the block row r sees */
+        if (seen <= 0) {
+            blk_max[r] = -INFINITY;
+            blk_sum[r] = 0.0f;
+            continue;
+        }
+        const int64_t n = seen < t1 - t0 ? seen : t1 - t0;
+        float *sr = scores + r * KEY_BLOCK;
+        float m = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+            sr[j] = exp_nonpos(sr[j] - m);
+            sum += sr[j];
+        }
+        blk_max[r] = m;
+        blk_sum[r] = sum;
+    }
+    /* The values of the keys every row weighs, chunk by chunk and kv head by kv head, each
+     * head's rows accumulating in registers (pv_rows); then prefetches of the next block's keys. */
+    t = t0;
+    if (d % VW == 0) {
+        for (int64_t c0 = t0; c0 < all; c0 += KEY_CHUNK) {
+            const int64_t c1 = c0 + KEY_CHUNK < all ? c0 + KEY_CHUNK : all;
+            const char *pf[KEY_CHUNK];
+            stream_rows(pf, c0, c1 - c0, slots, row_bytes, v, all, k, t1, next_end);
+            for (int64_t h = 0; h < hkv; ++h) {
+                for (int64_t i = 0; i < nq; ++i) {
+                    int64_t qh = h * groups;
+                    const int64_t qe = qh + groups;
+                    for (; qh + 2 <= qe; qh += 2) {
+                        const int64_t r = i * hq + qh;
+                        pv_head(blk + r * d, d, scores + r * KEY_BLOCK + (c0 - t0), KEY_BLOCK, v, slots + c0,
+                                c1 - c0, row_elems, h * d, d, i == 0 ? pf : NULL, bf16, 2);
+                    }
+                    for (; qh < qe; ++qh) {
+                        const int64_t r = i * hq + qh;
+                        pv_head(blk + r * d, d, scores + r * KEY_BLOCK + (c0 - t0), KEY_BLOCK, v, slots + c0,
+                                c1 - c0, row_elems, h * d, d, i == 0 ? pf : NULL, bf16, 1);
+                    }
+                }
+            }
+        }
+        t = all > t0 ? all : t0;
+    }
+    for (; t < t1; ++t) {
+        const int64_t vr = slots[t] * row_elems;
+        const int64_t i0 = t > first ? t - first : 0;
+        for (int64_t r = i0 * hq; r < rows; ++r) {
+            const float p = scores[r * KEY_BLOCK + (t - t0)];
+            const int64_t vh = vr + ((r % hq) / groups) * d;
+            float *a = blk + r * d;
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
+        }
+    }
+}
+
+/* The part buffer: [batch, max_blocks, max_rows, d + 2], a block partial's accumulator, then
+ * its max and sum. */
+static inline float *part_at(float *part, int64_t b, int64_t block, int64_t r, int64_t max_blocks,
+                             int64_t max_rows, int64_t d) {
+    return part + ((b * max_blocks + block) * max_rows + r) * (d + 2);
+}
+
 /* What one thread does for the work items it takes (see attend). `bf16` is a literal at both
  * call sites, so each copy reads its pool's dtype without a test per load. */
 static inline __attribute__((always_inline)) void attend_items(
     const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
     const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
-    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits, int64_t max_rows, float *part,
-    int *failed, const int bf16) {
-    const int64_t groups = hq / hkv, row_elems = hkv * d, part_row = d + 2;
-    const int64_t esize = bf16 ? 2 : 4, row_bytes = row_elems * esize;
-    /* scores [rows, KEY_TILE], acc [rows, d], running max and sum [rows] */
-    float *scores = malloc(sizeof(float) * (size_t)(max_rows * KEY_TILE));
+    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits, int64_t max_rows, int64_t max_blocks,
+    float *part, int *failed, const int bf16) {
+    /* scores [rows, KEY_BLOCK] (64-byte aligned, every row alike, so a row's reductions never
+     * depend on where its buffer fell), a block's partial: blk [rows, d], max and sum [rows];
+     * the merged state: acc [rows, d], max and sum [rows] */
+    const size_t score_bytes = (sizeof(float) * (size_t)(max_rows * KEY_BLOCK) + 63) & ~(size_t)63;
+    float *scores = aligned_alloc(64, score_bytes);
+    float *blk = malloc(sizeof(float) * (size_t)(max_rows * d));
     float *acc = malloc(sizeof(float) * (size_t)(max_rows * d));
-    float *run_max = malloc(sizeof(float) * (size_t)max_rows);
-    float *run_sum = malloc(sizeof(float) * (size_t)max_rows);
-    if (!scores || !acc || !run_max || !run_sum) {
+    float *stats = malloc(sizeof(float) * (size_t)(4 * max_rows));
+    if (!scores || !blk || !acc || !stats) {
 #pragma omp atomic write
         *failed = 1;
     }
+    float *blk_max = stats, *blk_sum = stats + max_rows, *run_max = stats + 2 * max_rows,
+          *run_sum = stats + 3 * max_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < batch * key_splits; ++w) {
         int stop;
@@ -305,182 +481,67 @@ static inline __attribute__((always_inline)) void attend_items(
         if (stop) continue;
         const int64_t b = w / key_splits, split = w % key_splits;
         const int64_t nq = q_len[b], nk = kv_len[b], first = nk - nq;
-        const int64_t splits = request_splits(nk, key_splits);
+        const int64_t blocks = request_blocks(nk), splits = request_splits(nk, key_splits);
         if (split >= splits) continue;
-        const int64_t per_split = (nk + splits - 1) / splits;
-        const int64_t ks = split * per_split, ke = ks + per_split < nk ? ks + per_split : nk;
-        const int64_t rows = nq * hq;                  /* row r = i * hq + head */
+        const int64_t per_split = (blocks + splits - 1) / splits;
+        const int64_t bs = split * per_split, be = bs + per_split < blocks ? bs + per_split : blocks;
+        const int64_t ke = be * KEY_BLOCK < nk ? be * KEY_BLOCK : nk;
+        const int64_t rows = nq * hq; /* row r = i * hq + head */
         const int64_t *slots = kv_index + b * stride;
         const float *qb = q + q_start[b] * hq * d;
-        memset(acc, 0, sizeof(float) * (size_t)(rows * d));
-        for (int64_t r = 0; r < rows; ++r) {
-            run_max[r] = -INFINITY;
-            run_sum[r] = 0.0f;
-        }
-        for (int64_t t0 = ks; t0 < ke; t0 += KEY_TILE) {
-            const int64_t t1 = t0 + KEY_TILE < ke ? t0 + KEY_TILE : ke;
-            /* [t0, all) are the keys of the tile every query row sees (all of a decode's). They
-             * go in chunks of KEY_CHUNK, kv head by kv head, each load of a chunk's rows beside
-             * a prefetch of the row PF_AHEAD keys on (stream_rows): the keys, then the values.
-             * Only the first query token's pass prefetches (an extend's later ones would only
-             * repeat it, at the cost of a load slot each). */
-            const int64_t all = first + 1 < t1 ? first + 1 : t1;
-            int64_t t = t0;
-            if (d % 16 == 0)
-                for (int64_t c0 = t0; c0 + 4 <= all; c0 += KEY_CHUNK) {
-                    const int64_t c1 = c0 + ((all - c0 < KEY_CHUNK ? all - c0 : KEY_CHUNK) & ~(int64_t)3);
-                    const char *pf[KEY_CHUNK];
-                    stream_rows(pf, c0, c1 - c0, slots, row_bytes, k, all, v, t0, all);
-                    for (int64_t h = 0; h < hkv; ++h) {
-                        const int64_t hb = h * d * esize;
-                        for (int64_t i = 0; i < nq; ++i) {
-                            int64_t qh = h * groups;
-                            const int64_t qe = qh + groups;
-                            for (; qh + 2 <= qe; qh += 2) /* query heads in pairs of one kv head */
-                                for (int64_t c = c0; c < c1; c += 4) {
-                                    const char *ph[4] = {pf[c - c0] + hb, pf[c - c0 + 1] + hb, pf[c - c0 + 2] + hb,
-                                                         pf[c - c0 + 3] + hb};
-                                    float s0[4], s1[4];
-                                    dot4x2(qb + (i * hq + qh) * d, qb + (i * hq + qh + 1) * d, k,
-                                           slots[c] * row_elems + h * d, slots[c + 1] * row_elems + h * d,
-                                           slots[c + 2] * row_elems + h * d, slots[c + 3] * row_elems + h * d, d,
-                                           bf16, i == 0 ? ph : NULL, s0, s1);
-                                    float *row0 = scores + (i * hq + qh) * KEY_TILE + (c - t0);
-                                    float *row1 = row0 + KEY_TILE;
-                                    for (int x = 0; x < 4; ++x) {
-                                        row0[x] = s0[x] * scale;
-                                        row1[x] = s1[x] * scale;
-                                    }
-                                }
-                            for (; qh < qe; ++qh)
-                                for (int64_t c = c0; c < c1; c += 4) {
-                                    const char *ph[4] = {pf[c - c0] + hb, pf[c - c0 + 1] + hb, pf[c - c0 + 2] + hb,
-                                                         pf[c - c0 + 3] + hb};
-                                    float sc[4];
-                                    dot4(qb + (i * hq + qh) * d, k, slots[c] * row_elems + h * d,
-                                         slots[c + 1] * row_elems + h * d, slots[c + 2] * row_elems + h * d,
-                                         slots[c + 3] * row_elems + h * d, d, bf16, i == 0 ? ph : NULL, sc);
-                                    float *row = scores + (i * hq + qh) * KEY_TILE + (c - t0);
-                                    for (int x = 0; x < 4; ++x) row[x] = sc[x] * scale;
-                                }
-                        }
-                    }
-                    t = c1;
-                }
-            for (; t < t1; ++t) {
-                const int64_t kr = slots[t] * row_elems;
-                const int64_t i0 = t > first ? t - first : 0; /* queries that see key t */
-                for (int64_t i = i0; i < nq; ++i)
-                    for (int64_t qh = 0; qh < hq; ++qh)
-                        scores[(i * hq + qh) * KEY_TILE + (t - t0)] =
-                            dot(qb + (i * hq + qh) * d, k, kr + (qh / groups) * d, d, bf16) * scale;
-            }
-            /* Online softmax over this tile: new max, rescale what was accumulated. */
+        if (splits == 1) {
+            memset(acc, 0, sizeof(float) * (size_t)(rows * d));
             for (int64_t r = 0; r < rows; ++r) {
-                const int64_t seen = first + r / hq + 1 - t0; /* keys of the tile row r sees */
-                if (seen <= 0) continue;
-                const int64_t n = seen < t1 - t0 ? seen : t1 - t0;
-                float *s = scores + r * KEY_TILE;
-                float m = run_max[r], sum = 0.0f;
-#pragma omp simd reduction(max : m)
-                for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < n; ++j) {
-                    s[j] = exp_nonpos(s[j] - m);
-                    sum += s[j];
-                }
-                if (m != run_max[r]) {
-                    const float corr = exp_nonpos(run_max[r] - m); /* 0 on the first tile */
-                    float *a = acc + r * d;
-#pragma omp simd
-                    for (int64_t j = 0; j < d; ++j) a[j] *= corr;
-                    run_sum[r] *= corr;
-                    run_max[r] = m;
-                }
-                run_sum[r] += sum;
-            }
-            /* The values of the keys every row weighs, chunk by chunk and kv head by kv head,
-             * each head's rows accumulating in registers (pv_rows). */
-            t = t0;
-            if (d % VW == 0) {
-                for (int64_t c0 = t0; c0 < all; c0 += KEY_CHUNK) {
-                    const int64_t c1 = c0 + KEY_CHUNK < all ? c0 + KEY_CHUNK : all;
-                    const char *pf[KEY_CHUNK]; /* then the next tile's keys */
-                    stream_rows(pf, c0, c1 - c0, slots, row_bytes, v, all, k, t1, ke);
-                    for (int64_t h = 0; h < hkv; ++h) {
-                        for (int64_t i = 0; i < nq; ++i) {
-                            int64_t qh = h * groups;
-                            const int64_t qe = qh + groups;
-                            for (; qh + 2 <= qe; qh += 2) {
-                                const int64_t r = i * hq + qh;
-                                pv_head(acc + r * d, d, scores + r * KEY_TILE + (c0 - t0), KEY_TILE, v, slots + c0,
-                                        c1 - c0, row_elems, h * d, d, i == 0 ? pf : NULL, bf16, 2);
-                            }
-                            for (; qh < qe; ++qh) {
-                                const int64_t r = i * hq + qh;
-                                pv_head(acc + r * d, d, scores + r * KEY_TILE + (c0 - t0), KEY_TILE, v, slots + c0,
-                                        c1 - c0, row_elems, h * d, d, i == 0 ? pf : NULL, bf16, 1);
-                            }
-                        }
-                    }
-                }
-                t = all > t0 ? all : t0;
-            }
-            for (; t < t1; ++t) {
-                const int64_t vr = slots[t] * row_elems;
-                const int64_t i0 = t > first ? t - first : 0;
-                for (int64_t r = i0 * hq; r < rows; ++r) {
-                    const float p = scores[r * KEY_TILE + (t - t0)];
-                    const int64_t vh = vr + ((r % hq) / groups) * d;
-                    float *a = acc + r * d;
-#pragma omp simd
-                    for (int64_t j = 0; j < d; ++j) a[j] += p * kv_at(v, vh + j, bf16);
-                }
+                run_max[r] = -INFINITY;
+                run_sum[r] = 0.0f;
             }
         }
-        if (splits > 1) {  /* the merge pass below finishes it */
-            float *pb = part + (b * key_splits + split) * max_rows * part_row;
+        for (int64_t j = bs; j < be; ++j) {
+            const int64_t t0 = j * KEY_BLOCK, t1 = t0 + KEY_BLOCK < nk ? t0 + KEY_BLOCK : nk;
+            block_partial(qb, k, v, slots, nq, first, t0, t1, ke, hq, hkv, d, scale, scores, blk, blk_max, blk_sum,
+                          bf16);
             for (int64_t r = 0; r < rows; ++r) {
-                memcpy(pb + r * part_row, acc + r * d, sizeof(float) * (size_t)d);
-                pb[r * part_row + d] = run_max[r];
-                pb[r * part_row + d + 1] = run_sum[r];
+                if (splits == 1) {
+                    merge_block(acc + r * d, run_max + r, run_sum + r, blk + r * d, blk_max[r], blk_sum[r], d);
+                    continue;
+                }
+                float *pb = part_at(part, b, j, r, max_blocks, max_rows, d); /* the merge pass finishes it */
+                memcpy(pb, blk + r * d, sizeof(float) * (size_t)d);
+                pb[d] = blk_max[r];
+                pb[d + 1] = blk_sum[r];
             }
-            continue;
         }
-        for (int64_t r = 0; r < rows; ++r) {
-            const float inv = 1.0f / run_sum[r];
-            float *a = acc + r * d;
-#pragma omp simd
-            for (int64_t j = 0; j < d; ++j) a[j] *= inv;
-        }
-        for (int64_t i = 0; i < nq; ++i)
-            memcpy(out + (q_start[b] + i) * hq * d, acc + i * hq * d, sizeof(float) * (size_t)(hq * d));
+        if (splits == 1)
+            for (int64_t r = 0; r < rows; ++r) normalise(out + q_start[b] * hq * d + r * d, acc + r * d, run_sum[r], d);
     }
     free(scores);
+    free(blk);
     free(acc);
-    free(run_max);
-    free(run_sum);
+    free(stats);
 }
 
 static inline __attribute__((always_inline)) int attend(
     const float *q, const void *k, const void *v, const int64_t *kv_index, int64_t stride,
     const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len, float *out, int64_t batch,
     int64_t hq, int64_t hkv, int64_t d, float scale, int64_t key_splits, const int bf16) {
-    /* A work item is (request, range of its keys), over every head: a slot's heads are
+    /* A work item is (request, run of its key blocks), over every head: a slot's heads are
      * adjacent, so an item's reads run along memory, and the query heads of a kv head share
-     * its loads. Requests are split by keys (up to key_splits ranges of MIN_SPLIT_KEYS or
-     * more) only when there are too few of them to keep every thread streaming: one core
-     * alone reads at about half the machine's rate. Split items leave an unnormalised partial
-     * (running max, sum, accumulator) that a second pass merges. */
+     * its loads. Requests are split by key blocks (up to key_splits runs) only when there are
+     * too few of them to keep every thread streaming: one core alone reads at about half the
+     * machine's rate. Split items leave their blocks' partials, which a second pass merges in
+     * the order an unsplit item merges them. */
     if (key_splits < 1) key_splits = 1;
-    int64_t max_rows = 0;
-    for (int64_t b = 0; b < batch; ++b)
+    int64_t max_rows = 0, max_blocks = 0;
+    for (int64_t b = 0; b < batch; ++b) {
         if (q_len[b] > max_rows) max_rows = q_len[b];
+        if (request_blocks(kv_len[b]) > max_blocks) max_blocks = request_blocks(kv_len[b]);
+    }
     max_rows *= hq;
-    float *part = NULL;  /* [batch, key_splits, max_rows, d + 2]: acc, then max and sum */
-    const int64_t part_row = d + 2;
+    const size_t part_bytes = sizeof(float) * (size_t)(batch * max_blocks * max_rows * (d + 2));
+    if (key_splits > 1 && part_bytes > MAX_PART_BYTES) key_splits = 1;
+    float *part = NULL;
     if (key_splits > 1) {
-        part = malloc(sizeof(float) * (size_t)(batch * key_splits * max_rows * part_row));
+        part = malloc(part_bytes);
         if (!part) return -1;
     }
     int failed = 0;
@@ -495,42 +556,27 @@ static inline __attribute__((always_inline)) int attend(
          * branch once here so that each copy of the work is compiled for its dtype. */
         if (bf16)
             attend_items(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
-                         key_splits, max_rows, part, &failed, 1);
+                         key_splits, max_rows, max_blocks, part, &failed, 1);
         else
             attend_items(q, k, v, kv_index, stride, q_start, q_len, kv_len, out, batch, hq, hkv, d, scale,
-                         key_splits, max_rows, part, &failed, 0);
+                         key_splits, max_rows, max_blocks, part, &failed, 0);
         if (part) {
-            /* Merge each split request's partials: weights exp(max_s - max) rescale each
-             * split's accumulator and sum to the common max. A split none of whose keys a row
-             * sees (an extend's row before the split's first key) has max -inf: weight 0. */
+            /* Merge each split request's block partials, row by row, in block order. */
             int stop;
 #pragma omp atomic read
             stop = failed;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < batch * max_rows; ++w) {
                 const int64_t b = w / max_rows, r = w % max_rows;
-                const int64_t splits = request_splits(kv_len[b], key_splits);
-                if (stop || splits < 2 || r >= q_len[b] * hq) continue;
-                const float *pb = part + b * key_splits * max_rows * part_row + r * part_row;
-                float m = -INFINITY;
-                for (int64_t s = 0; s < splits; ++s) {
-                    const float ms = pb[s * max_rows * part_row + d];
-                    m = ms > m ? ms : m;
-                }
-                float sum = 0.0f;
-                float *o = out + q_start[b] * hq * d + r * d; /* row r = i * hq + head */
+                if (stop || request_splits(kv_len[b], key_splits) < 2 || r >= q_len[b] * hq) continue;
+                float *o = out + q_start[b] * hq * d + r * d;
+                float m = -INFINITY, sum = 0.0f;
                 memset(o, 0, sizeof(float) * (size_t)d);
-                for (int64_t s = 0; s < splits; ++s) {
-                    const float *ps = pb + s * max_rows * part_row;
-                    if (ps[d] == -INFINITY) continue;
-                    const float wgt = exp_nonpos(ps[d] - m);
-                    sum += wgt * ps[d + 1];
-#pragma omp simd
-                    for (int64_t j = 0; j < d; ++j) o[j] += wgt * ps[j];
+                for (int64_t j = 0; j < request_blocks(kv_len[b]); ++j) {
+                    const float *pb = part_at(part, b, j, r, max_blocks, max_rows, d);
+                    merge_block(o, &m, &sum, pb, pb[d], pb[d + 1], d);
                 }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+                normalise(o, o, sum, d);
             }
         }
 #if defined(__SSE__)
