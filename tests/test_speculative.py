@@ -247,7 +247,8 @@ def test_bfloat16_weights_keep_answers_32_at_once(model_dir: Path) -> None:
     verification step's query rows used to differ in those bits from the same rows decoded one
     at a time (the kernel scored an extend's last keys in another loop, and split a request's
     keys by its length), so one answer in 32 of `bench spec`'s copy-heavy batch changed. Now
-    every row gives the same bits however it is batched, and the answers are the same."""
+    every row gives the same bits however it is batched, and the answers are the same, in the
+    batch and alone."""
     from minisgl_mp.bench.spec import workload_prompts
 
     plain16 = make_llm(model_dir, dtype="bfloat16", max_running_requests=32)
@@ -257,7 +258,8 @@ def test_bfloat16_weights_keep_answers_32_at_once(model_dir: Path) -> None:
     want = plain16.generate(batch, params)
     same(spec16.generate(batch, params), want)
     assert spec16.scheduler.engine_stats()["spec_accepted_tokens"] > 0
-    same([spec16.generate(batch[1], params)[0]], [want[1]])  # and one alone
+    same([spec16.generate(batch[1], params)[0]], [want[1]])  # and one alone, with drafts or without
+    same([plain16.generate(batch[2], params)[0]], [want[2]])
     assert_no_leak(spec16)
     plain16.shutdown()
     spec16.shutdown()
