@@ -46,9 +46,9 @@ def test_kernel_matches_sdpa(hq: int, hkv: int, d: int, key_splits: int | None) 
 @pytest.mark.parametrize("kv_len,q_len", [(kv, q) for kv in (1, 64, 130, 257, 1500)
                                            for q in (1, 5, KERNEL_MAX_QUERY) if q <= kv])
 def test_one_request_split_over_its_keys_matches_sdpa(kv_len: int, q_len: int) -> None:
-    """One request (a batch-1 decode or an extend) is split over the threads by key ranges,
-    each range's partial softmax merged afterwards: every range size and edge must match,
-    including ranges that an extend's early rows see none of."""
+    """One request (a batch-1 decode or an extend) is split over the threads by runs of key
+    blocks, each block's partial softmax merged afterwards: every run size and edge must match,
+    including blocks that an extend's early rows see none of."""
     hq, hkv, d = 16, 8, 128
     gen = torch.Generator().manual_seed(kv_len * 7 + q_len)
     k = torch.randn(2000, hkv, d, generator=gen)

@@ -29,9 +29,10 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def default_key_splits(batch: int) -> int:
-    """The most key ranges `paged_attention` splits each of `batch` requests into: more than one
-    only when requests alone cannot keep every thread busy with two work items (the kernel also
-    keeps each range at 64 keys or more)."""
+    """The most runs of key blocks `paged_attention` splits each of `batch` requests into over
+    threads: more than one only when requests alone cannot keep every thread busy with two work
+    items (the kernel gives each run one 128-key block or more). Splitting changes where a
+    request's block partials are merged, never the result."""
     key_splits = 1
     while batch * key_splits < 2 * torch.get_num_threads():
         key_splits *= 2
@@ -45,8 +46,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index:
 
     q, out: [T, Hq, D] float32; k, v: [S, Hkv, D] (one layer), float32 or bfloat16 (widened
     on load); kv_index: [B, stride] int64; q_start, q_len, kv_len: [B] int64. All contiguous,
-    on the CPU. key_splits: the most key ranges a request is split into over threads (default:
-    enough to give every thread two work items). `isa` picks a build (tests).
+    on the CPU. key_splits: the most runs of 128-key blocks a request is split into over threads
+    (default: enough to give every thread two work items); the result is the same bit for bit
+    for any value, and each query row's is what that row alone would give. `isa` picks a build
+    (tests).
     """
     lib = load(isa)
     if lib is None:
