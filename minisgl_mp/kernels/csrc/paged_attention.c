@@ -86,7 +86,7 @@ static inline float kv_at(const void *base, int64_t off, int bf16) {
  * arithmetic for one key: the same lane accumulators, then the halving tree hsum4 takes (upper
  * half onto lower, down to one lane), so a key's score does not depend on which loop computed
  * it: an extend's later query rows score their last keys here, the same query decoded alone
- * scores them in dot4 (see attend). */
+ * scores them in dot4 (see block_partial). */
 static inline float dot(const float *restrict q, const void *kv, int64_t off, int64_t n, int bf16) {
     if (n % VW == 0) {
         vf a = {0};
