@@ -169,23 +169,73 @@ def test_flashinfer_page_lists_follow_the_table() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_triton_decode_splits_agree_and_an_empty_row_is_zero() -> None:
-    """Flash-decoding splits combine to the unsplit result; a padding row (length 0) gives 0."""
-    from minisgl_mp.attention.triton_backend import MAX_DECODE_SPLITS, decode_splits
+def test_triton_decode_splits_follow_each_query_and_an_empty_row_is_zero() -> None:
+    """Flash-decoding splits are set by each query's own key count: a grid with room for more
+    gives the same bits, and a padding row (no keys) gives 0."""
     from minisgl_mp.kernels import triton_attention
 
-    assert [decode_splits(n) for n in (1, 512, 513, 3000, 10**6)] == [1, 1, 2, 8, MAX_DECODE_SPLITS]
-    pool, table, layout, rows = make_batch((200, 37, 0), (1, 1, 1), 2, 32, torch.float32)
-    q = qkv(3, 4, 2, 32, torch.float32)[0]
-    lens = torch.tensor([201, 38, 0], dtype=torch.int32, device=DEVICE)
+    split_count = triton_attention.split_count
+    assert [split_count(n) for n in (0, 1, 512, 513, 1100, 3000, 10**6)] == [0, 1, 1, 2, 3, 6, 16]
+    pool, table, layout, rows = make_batch((1100, 37, 0), (1, 1, 1), 2, 32, torch.float32)
+    q, k, v = qkv(3, 4, 2, 32, torch.float32)
+    want = run("sdpa", pool, table, layout, q, k, v, torch.float32)  # (stores the new K/V)
+    lens = torch.tensor([1101, 38, 0], dtype=torch.int32, device=DEVICE)
+    tokens = torch.arange(3, device=DEVICE)
     outs = []
-    for splits in (1, 4):
+    for grid in (3, triton_attention.MAX_DECODE_SPLITS):
         out = torch.full_like(q, float("nan"))
-        triton_attention.decode_attention(q, pool.k[0], pool.v[0], out, table.table, rows, lens, 32**-0.5,
-                                          num_splits=splits)
+        triton_attention.decode_attention(q, pool.k[0], pool.v[0], out, table.table, tokens, rows, lens, 32**-0.5,
+                                          grid_splits=grid)
         outs.append(out)
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[1][2], torch.zeros_like(outs[1][2]))
+    torch.testing.assert_close(outs[0][:2], want[:2], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_rows_give_the_same_bits_however_they_are_batched() -> None:
+    """Speculative decoding's exactness on CUDA, as far as attention goes: a verification's rows
+    (5 tokens over 1,100 cached, 3 key splits) beside a decode and a 30-token prompt, eagerly
+    and in a padded verify graph, give bit for bit what each of those tokens gives decoded
+    alone; the prompt matches sdpa; a graph's padding rows come out zero."""
+    from minisgl_mp.attention.triton_backend import TritonBackend
+    from minisgl_mp.engine.cuda_graph import DecodeGraphInputs
+
+    hq, hkv, d = 4, 2, 32
+    cached, extend = (1100, 40, 0), (5, 1, 30)
+    pool, table, layout, rows = make_batch(cached, extend, hkv, d, torch.float32)
+    q, k, v = qkv(sum(extend), hq, hkv, d, torch.float32)
+    backend = TritonBackend(pool, table, hq, hkv, d, torch.float32, max_query=5)
+    batched = backend.forward(q, k, v, 0, backend.prepare(layout))  # (stores every new K/V)
+
+    def alone(req: int, j: int, token: int) -> torch.Tensor:
+        one = BatchLayout(ForwardMode.DECODE, rows[req:req + 1], (cached[req] + j,), (1,),
+                          table.table[rows[req], cached[req] + j].reshape(1))
+        tok = slice(token, token + 1)
+        return backend.forward(q[tok], k[tok], v[tok], 0, backend.prepare(one))[0]
+
+    decoded = [alone(0, j, j) for j in range(5)] + [alone(1, 0, 5)]
+    for token, want in enumerate(decoded):
+        assert torch.equal(batched[token], want), f"row {token}"
+    prompt = slice(6, 36)
+    k[prompt], v[prompt] = k[prompt].to(pool.k.dtype), v[prompt].to(pool.k.dtype)
+    sdpa = SdpaBackend(pool, table, hq, hkv, d, torch.float32)
+    torch.testing.assert_close(batched[prompt], sdpa.forward(q, k, v, 0, sdpa.prepare(layout))[prompt],
+                               atol=2e-5, rtol=1e-4)
+
+    # The verification and the decode in a graph of 4 requests x 5 rows.
+    inputs = DecodeGraphInputs.allocate(4, pool.pad_slot, DEVICE, tokens_per_req=5)
+    two = BatchLayout(ForwardMode.EXTEND, rows[:2], cached[:2], extend[:2], layout.out_loc[:6])
+    graph_rows = inputs.load(two, torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int64), 4)
+    padded = [torch.zeros(20, h, d, device=DEVICE) for h in (hq, hkv, hkv)]
+    for buf, x in zip(padded, (q, k, v)):
+        buf[graph_rows] = x[:6]
+    graphed = backend.forward(*padded, 0, backend.graph_metadata(inputs, 4))
+    for token, want in enumerate(decoded):
+        assert torch.equal(graphed[graph_rows[token]], want), f"graph row {token}"
+    pad = torch.ones(20, dtype=torch.bool)
+    pad[graph_rows] = False
+    assert torch.equal(graphed[pad], torch.zeros_like(graphed[pad]))
 
 
 ENGINE_PROMPTS = [list(range(5, 45)), list(range(5, 30)) + [7, 8], [9, 8, 7]]
@@ -214,3 +264,18 @@ def test_engine_greedy_tokens_match_the_default_backend(backend: str, tiny_model
     if backend == "triton" and not HAS_TRITON:
         pytest.skip("triton not installed")
     assert engine_greedy(tiny_model_dir, backend) == default_backend_tokens
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_speculation_sends_a_verifications_rows_to_the_decode_kernels(tiny_model_dir) -> None:
+    """With NGRAM and K drafts, the K + 1 rows of a verification go where decodes go: the Triton
+    decode kernel (one-token queries), the C paged kernel (its short runs)."""
+    from minisgl_mp.llm import LLM
+
+    for backend, plain_max in (("triton", 1), ("cpu", 16)):
+        if not registry.is_available(backend, DEVICE):
+            continue
+        for spec in ({}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 20}):
+            llm = LLM(str(tiny_model_dir), attention_backend=backend, device=str(DEVICE), num_pages=64, **spec)
+            assert llm.scheduler.runner.backend.max_query == (21 if spec else plain_max), (backend, spec)
+            llm.shutdown()

@@ -1,10 +1,11 @@
 """Triton paged attention (`--attention-backend triton`; the CUDA default without FlashInfer).
 
-`prepare` turns the batch layout into a few [B] index tensors on the device, once per forward;
-every layer then launches one kernel (kernels/triton_attention.py) that reads K/V through the
-page table. A batch of decodes only (each request one new token over its prefix) uses the
-decode kernel, which reads each K/V block once per KV head for all its query heads; any other
-batch uses the extend kernel, which covers decodes too.
+`prepare` turns the batch layout into a few index tensors on the device, once per forward;
+every layer then launches the kernels (kernels/triton_attention.py), which read K/V through the
+page table. Decodes (and with speculative decoding the K + 1 rows of a verification) go to the
+decode kernel, a one-token query per row that reads each K/V block once per KV head for all
+its query heads, and whose rows do not depend on the batch; longer runs (prompts, chunks) go
+to the extend kernel. A batch with both launches both, each on its own rows.
 
 On the CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1): that is for tests.
 """
@@ -28,35 +29,31 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class QueryRun:
+    """One-token queries for the decode kernel, one entry per query (int32/int64 on the device)."""
+
+    tokens: torch.Tensor  # [N] row of q and out
+    rows: torch.Tensor  # [N] page-table row
+    seq_lens: torch.Tensor  # [N] keys the query sees: its position + 1; 0 on graph padding
+    grid_splits: int  # the kernel's split dimension, >= every query's split_count
+
+
+@dataclass(frozen=True)
+class ExtendRun:
+    """Requests for the extend kernel, one entry per request."""
+
+    rows: torch.Tensor  # [B] page-table rows
+    q_start: torch.Tensor  # [B] first token row in the batch
+    q_len: torch.Tensor  # [B]
+    prefix_len: torch.Tensor  # [B]
+    max_q_len: int  # sizes the grid (a host value, so no sync)
+
+
+@dataclass(frozen=True)
 class TritonMetadata:
     out_loc: torch.Tensor  # [T]
-    rows: torch.Tensor  # [B] page-table rows
-    seq_lens: torch.Tensor  # [B] prefix + new tokens
-    decode: bool  # every request has exactly one new token
-    decode_splits: int = 1  # decode: runs each request's keys are cut into
-    # extend only (None for decode):
-    q_start: torch.Tensor | None = None  # [B] first token row in the batch
-    q_len: torch.Tensor | None = None  # [B]
-    prefix_len: torch.Tensor | None = None  # [B]
-    max_q_len: int = 1
-    # Rows no query of the kernel writes (a verify graph's padding): zeroed, not left as
-    # whatever the memory held, so the layers after see finite values.
-    has_pad_rows: bool = False
-
-
-# Decode cuts each request's keys into up to this many runs attended in parallel (flash
-# decoding), about one per SPLIT_TOKENS keys of the longest request: a few long requests still
-# fill the GPU, and short ones are not cut into runs too small to pay for the combining pass.
-MAX_DECODE_SPLITS = 16
-SPLIT_TOKENS = 512
-
-
-def decode_splits(max_seq_len: int) -> int:
-    """A power of two (the kernel's tl.arange needs one) in [1, MAX_DECODE_SPLITS]."""
-    splits = 1
-    while splits < MAX_DECODE_SPLITS and splits * SPLIT_TOKENS < max_seq_len:
-        splits *= 2
-    return splits
+    queries: QueryRun | None
+    extend: ExtendRun | None
 
 
 def is_available(device: torch.device) -> bool:
@@ -73,7 +70,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, pool: KVPool, req_table: ReqTable, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype | None = None) -> None:
+                 head_dim: int, dtype: torch.dtype | None = None, max_query: int = 1) -> None:
         if not is_available(pool.k.device):
             raise ValueError("the triton attention backend needs the triton package and a GPU "
                              "(on the CPU only under TRITON_INTERPRET=1, for tests)")
@@ -87,47 +84,68 @@ class TritonBackend(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Runs of up to this many new tokens go to the decode kernel, a query per token (it
+        # reads their keys once per token); longer ones to the extend kernel. Decodes alone by
+        # default; speculative decoding raises it to K + 1, so a verification's rows are
+        # attended as decodes are.
+        self.max_query = max_query
 
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         device = self.req_table.table.device
-        seq_lens = host_tensor(list(layout.seq_lens), torch.int32, device)
-        if layout.mode == ForwardMode.DECODE or all(n == 1 for n in layout.extend_lens):
-            return TritonMetadata(layout.out_loc, layout.req_slots, seq_lens, decode=True,
-                                  decode_splits=decode_splits(max(layout.seq_lens)))
+        lens, prefix = layout.extend_lens, layout.prefix_lens
+        short = [i for i, n in enumerate(lens) if n <= self.max_query]
+        longer = [i for i, n in enumerate(lens) if n > self.max_query]
 
-        def ints(values: object) -> torch.Tensor:
-            return host_tensor(list(values), torch.int32, device)
+        def ints(values: object, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return host_tensor(list(values), dtype, device)
 
-        return TritonMetadata(
-            layout.out_loc, layout.req_slots, seq_lens, decode=False,
-            q_start=ints(token_starts(layout.extend_lens)), q_len=ints(layout.extend_lens),
-            prefix_len=ints(layout.prefix_lens), max_q_len=max(layout.extend_lens),
-        )
+        queries = None
+        if short:
+            seq = [prefix[i] + j + 1 for i in short for j in range(lens[i])]
+            if len(short) == layout.batch_size and all(n == 1 for n in lens):  # a decode step
+                tokens, rows = torch.arange(len(lens), device=device), layout.req_slots
+            else:
+                starts = token_starts(lens)
+                tokens = ints([starts[i] + j for i in short for j in range(lens[i])], torch.int64)
+                rows = layout.req_slots[ints([i for i in short for _ in range(lens[i])], torch.int64)]
+            queries = QueryRun(tokens, rows, ints(seq), max(map(self.kernels.split_count, seq)))
+        extend = None
+        if longer:
+            starts = token_starts(lens)
+            extend = ExtendRun(
+                layout.req_slots[ints(longer, torch.int64)] if short else layout.req_slots,
+                ints(starts[i] for i in longer), ints(lens[i] for i in longer),
+                ints(prefix[i] for i in longer), max(lens[i] for i in longer),
+            )
+        return TritonMetadata(layout.out_loc, queries, extend)
 
     def graph_metadata(self, inputs: DecodeGraphInputs, batch_size: int) -> TritonMetadata:
-        """Metadata as views of a CUDA graph's static buffers (engine/cuda_graph.py): the decode
-        kernel's, or for a verify graph the extend kernel's, each request owning
-        `tokens_per_req` rows of which it runs `q_len`."""
+        """Metadata for a CUDA graph's static buffers (engine/cuda_graph.py), computed from them
+        inside the graph: every row a one-token query for the decode kernel, request i owning
+        `tokens_per_req` rows of which it runs `q_len` (the rest, and padding requests, see
+        no keys and come out zero). A graph replays at any context length: the split dimension
+        covers the most splits a query can have."""
         q = inputs.tokens_per_req
         rows, seq_lens = inputs.req_rows[:batch_size], inputs.seq_lens[:batch_size]
-        if q == 1:
-            # A graph is replayed at any context length: split as for the longest a request can have.
-            return TritonMetadata(inputs.out_loc[:batch_size], rows, seq_lens, decode=True,
-                                  decode_splits=decode_splits(self.req_table.max_context_len))
-        return TritonMetadata(inputs.out_loc[: batch_size * q], rows, seq_lens, decode=False,
-                              q_start=inputs.q_start[:batch_size], q_len=inputs.q_len[:batch_size],
-                              prefix_len=inputs.prefix_len[:batch_size], max_q_len=q, has_pad_rows=True)
+        tokens = torch.arange(batch_size * q, device=rows.device)
+        if q > 1:
+            j = torch.arange(q, dtype=torch.int32, device=rows.device)[None, :]
+            per_query = inputs.prefix_len[:batch_size, None] + j + 1
+            seq_lens = torch.where(j < inputs.q_len[:batch_size, None], per_query, 0).reshape(-1)
+            rows = rows[:, None].expand(batch_size, q).reshape(-1)
+        return TritonMetadata(inputs.out_loc[: batch_size * q],
+                              QueryRun(tokens, rows, seq_lens, self.kernels.MAX_DECODE_SPLITS), None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 metadata: TritonMetadata) -> torch.Tensor:
         self.pool.store(layer_id, metadata.out_loc, k, v)
         q = q.contiguous()
-        out = torch.zeros_like(q) if metadata.has_pad_rows else torch.empty_like(q)
+        out = torch.empty_like(q)
         k_pool, v_pool, table = self.pool.k[layer_id], self.pool.v[layer_id], self.req_table.table
-        if metadata.decode:
-            self.kernels.decode_attention(q, k_pool, v_pool, out, table, metadata.rows, metadata.seq_lens,
-                                          self.scale, num_splits=metadata.decode_splits)
-        else:
-            self.kernels.extend_attention(q, k_pool, v_pool, out, table, metadata.rows, metadata.q_start,
-                                          metadata.q_len, metadata.prefix_len, metadata.max_q_len, self.scale)
+        if (run := metadata.queries) is not None:
+            self.kernels.decode_attention(q, k_pool, v_pool, out, table, run.tokens, run.rows, run.seq_lens,
+                                          self.scale, grid_splits=run.grid_splits)
+        if (ext := metadata.extend) is not None:
+            self.kernels.extend_attention(q, k_pool, v_pool, out, table, ext.rows, ext.q_start, ext.q_len,
+                                          ext.prefix_len, ext.max_q_len, self.scale)
         return out

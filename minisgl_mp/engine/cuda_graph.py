@@ -12,9 +12,10 @@ them as one. A graph replays fixed shapes at fixed addresses, so:
 
 Speculative decoding's verify steps (each request runs its last token and its draft, up to
 K + 1 tokens) replay graphs of their own (`tokens_per_req` = K + 1): each request owns K + 1
-rows of the static buffers, those past its tokens padding (pad slot, attended by no query), and
-the attention backend runs its extend kernel with per-request query lengths read from the
-buffers. Any batch whose requests all run at most K + 1 tokens fits (a short prefill too).
+rows of the static buffers, those past its tokens padding (pad slot, no keys seen), and the
+attention backend turns the per-request query lengths read from the buffers into one-token
+queries for its decode kernel, as eager verification does. Any batch whose requests all run
+at most K + 1 tokens fits (a short prefill too).
 
 The bucketing and the buffers are plain code, tested on the CPU; `capture` and `replay` run
 only on CUDA (launch/gpu_check.py exercises them).
@@ -77,8 +78,7 @@ class DecodeGraphInputs:
     seq_lens: torch.Tensor  # int32, prefix + the new tokens; 0 on padding requests
     pad_slot: int
     tokens_per_req: int = 1
-    # Verify graphs only (tokens_per_req > 1), int32 per request: the extend kernel's layout.
-    q_start: torch.Tensor | None = None  # i * tokens_per_req, never rewritten
+    # Verify graphs only (tokens_per_req > 1), int32 per request: which of its rows it runs.
     q_len: torch.Tensor | None = None  # tokens the request runs; 0 on padding requests
     prefix_len: torch.Tensor | None = None
 
@@ -94,7 +94,6 @@ class DecodeGraphInputs:
         inputs = cls(zeros(t, torch.int64), zeros(t, torch.int64), zeros(t, torch.int64), zeros(max_bs, torch.int64),
                      zeros(max_bs, torch.int32), pad_slot, tokens_per_req)
         if tokens_per_req > 1:
-            inputs.q_start = torch.arange(0, t, tokens_per_req, dtype=torch.int32, device=device)
             inputs.q_len, inputs.prefix_len = zeros(max_bs, torch.int32), zeros(max_bs, torch.int32)
         inputs.out_loc.fill_(pad_slot)
         return inputs

@@ -105,9 +105,10 @@ class ModelRunner:
         if isinstance(self.backend, CpuBackend) and any(m.bf16dot is not None for m in linears) \
                 and self.backend.use_dot_extend():
             logger.info("prompt attention on AVX512-BF16 dot products, as the linear products")
-        if isinstance(self.backend, CpuBackend) and config.speculative_algorithm is not None:
-            # A verification's K + 1 query rows take the paged kernel, as decodes do: its rows give
-            # the same bits however they are batched, which the blocked prompt kernels do not.
+        if hasattr(self.backend, "max_query") and config.speculative_algorithm is not None:
+            # A verification's K + 1 query rows take the decode kernel (the C paged kernel on the
+            # CPU, Triton's on CUDA): its rows give the same bits however they are batched,
+            # which the prompt kernels do not.
             self.backend.max_query = max(self.backend.max_query, config.speculative_num_draft_tokens + 1)
         logger.info("attention backend %s, KV cache %s", self.attention_backend, str(self.kv_dtype).replace("torch.", ""))
         self.cpu_decode: CpuDecodePlan | None = None

@@ -1,5 +1,12 @@
-"""Triton paged attention: decode, and extend over a cached prefix, reading K/V straight from the
-pool through the page table (no padded gather), with an online softmax in float32.
+"""Triton paged attention: queries of one token (decodes, and the rows of a speculative
+verification), and extends over a cached prefix, reading K/V straight from the pool through the
+page table (no padded gather), with an online softmax in float32.
+
+A one-token query's result depends on its own keys alone: its splits are fixed by its key
+count and merged in order, so a row gives the same bits whatever else is in the batch, in a
+CUDA graph or not, and a verification's rows those of the same tokens decoded one at a time
+(the greedy answers of speculative decoding then match plain decoding's as far as attention
+goes). The extend kernel, for prompts, attends a block of queries at once and does not.
 
 The page table is the request table: `table[row, pos]` is the pool slot of token `pos` of the
 request in `row`, whatever the page size (a page is a run of consecutive slots), so the same
@@ -21,83 +28,105 @@ import torch
 
 
 @triton.jit
+def _split_count(seq_len, SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    # Runs a query's keys are cut into: a function of its own key count alone, so that its
+    # result does not depend on the other queries of the batch, nor on eager or graph mode.
+    return tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), MAX_SPLITS)
+
+
+@triton.jit
 def _decode_kernel(
-    Q, K, V, Mid, MidLse, Table, Rows, SeqLens,
+    Q, K, V, Mid, MidLse, Table, Tokens, Rows, SeqLens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
-    scale, head_dim,
+    scale, head_dim, grid_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (request, KV head, split of the keys): its GROUP query heads attend over
-    # the split's keys. Splitting the keys keeps the GPU busy when requests are few and long.
-    # Writes the split's normalised output to Mid [B, Hq, NUM_SPLITS, D] and its log-sum-exp to
-    # MidLse [B, Hq, NUM_SPLITS] (-inf for a split with no keys).
+    # One program per (query, KV head, split of the keys): its GROUP query heads attend over
+    # the split's keys. A query is one token: q row Tokens[i] sees keys 0 .. SeqLens[i] - 1 of
+    # page-table row Rows[i], so a decode is one query and a verification of K drafts K + 1
+    # queries of one row (causal by their key counts). Splitting the keys keeps the GPU busy
+    # when queries are few and long. Writes the split's normalised output to
+    # Mid [N, Hq, grid_splits, D] and its log-sum-exp to MidLse [N, Hq, grid_splits]; splits
+    # past the query's own count write nothing.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    row = tl.load(Rows + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < head_dim
-    heads = kvh * GROUP + offs_g
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+    num_splits = _split_count(seq_len, SPLIT_TOKENS, MAX_SPLITS)
+    if split < num_splits:
+        token = tl.load(Tokens + b).to(tl.int64)
+        row = tl.load(Rows + b).to(tl.int64)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, seq_len)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < head_dim
+        heads = kvh * GROUP + offs_g
+        q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        mask_n = pos < hi
-        slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
-        kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    mid_row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_G]
-    tl.store(Mid + mid_row[:, None] * head_dim + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(MidLse + mid_row, lse, mask=mask_g)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            mask_n = pos < hi
+            slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
+            kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        # A split without keys (none: SPLIT_TOKENS >= MAX_SPLITS * BLOCK_N, checked at launch)
+        # would write 0 and -inf, which the merge weighs 0.
+        has_keys = l_i > 0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        mid_row = (b * tl.num_programs(1) * GROUP + heads) * grid_splits + split  # [BLOCK_G]
+        tl.store(Mid + mid_row[:, None] * head_dim + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(MidLse + mid_row, lse, mask=mask_g)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    Mid, MidLse, Out, stride_ot, stride_oh, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    Mid, MidLse, Out, Tokens, SeqLens, stride_ot, stride_oh, head_dim, grid_splits,
+    SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program per (request, query head): the splits' outputs weighted by their share of
-    # the softmax mass. A row with no keys at all (seq_len 0: a CUDA-graph bucket's padding)
-    # writes zeros.
+    # One program per (query, query head): the query's splits merged one after another in
+    # their order, each weighted by its share of the softmax mass, so the sum runs the same
+    # way whatever the grid. A query with no keys (a CUDA-graph bucket's padding) writes zeros.
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    token = tl.load(Tokens + b).to(tl.int64)
+    num_splits = _split_count(tl.load(SeqLens + b), SPLIT_TOKENS, MAX_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    base = (b * tl.num_programs(1) + h) * NUM_SPLITS
-    lse = tl.load(MidLse + base + offs_s)  # [NUM_SPLITS]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    total = tl.sum(w, 0)
-    parts = tl.load(Mid + (base + offs_s)[:, None] * head_dim + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+    base = (b * tl.num_programs(1) + h) * grid_splits
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(MidLse + base + s)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        part = tl.load(Mid + (base + s) * head_dim + offs_d, mask=mask_d, other=0.0)
+        total = total * alpha + w
+        acc = acc * alpha + part * w
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(Out + token * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
@@ -178,29 +207,48 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"
 
 
+# A query's keys are cut into one run per SPLIT_TOKENS of them, at most MAX_DECODE_SPLITS
+# (flash decoding): a few long requests still fill the GPU, and short ones are not cut into runs
+# too small to pay for the merge. The runs depend on the query's own key count alone.
+MAX_DECODE_SPLITS = 16
+SPLIT_TOKENS = 512
+DECODE_BLOCK_N = 32
+
+
+def split_count(seq_len: int) -> int:
+    """Runs the decode kernel cuts a query over `seq_len` keys into (0 for no keys)."""
+    return min(-(-seq_len // SPLIT_TOKENS), MAX_DECODE_SPLITS)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int = 8,
-                     block_n: int = 32) -> None:
-    """One new token per request. q, out: [B, Hq, D]; k, v: [S, Hkv, D] (one layer of the pool);
-    table: [R, ctx] slots; rows, seq_lens: [B] (seq_len counts the new token, whose K/V are
-    already in the pool). num_splits: a power of two; each request's keys are cut into that
-    many runs attended in parallel, then combined."""
-    batch, hq, d = q.shape
+                     tokens: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     grid_splits: int = MAX_DECODE_SPLITS) -> None:
+    """Queries of one token each over the pool. q, out: [T, Hq, D]; k, v: [S, Hkv, D] (one layer
+    of the pool); table: [R, ctx] slots; per query [N]: `tokens` its row of q and out, `rows` its
+    page-table row, `seq_lens` the keys it sees (its position + 1: its own K/V are already in
+    the pool). A decode step is one query a request; a verification of K drafts is K + 1
+    queries of the same row, causal through their key counts, so each of its rows is computed
+    exactly as that row decoded alone. grid_splits: at least the largest `split_count` of the
+    queries (a CUDA graph, which replays at any length, passes MAX_DECODE_SPLITS)."""
+    n = tokens.numel()
+    hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     group = hq // hkv
-    # Partial results: [B, Hq, splits, D] outputs and [B, Hq, splits] log-sum-exps, float32.
-    mid = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    assert SPLIT_TOKENS >= MAX_DECODE_SPLITS * DECODE_BLOCK_N, "a split could have no keys"
+    # Partial results: [N, Hq, splits, D] outputs and [N, Hq, splits] log-sum-exps, float32.
+    mid = torch.empty((n, hq, grid_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((n, hq, grid_splits), dtype=torch.float32, device=q.device)
     # tl.dot wants at least 16 rows: the group is padded with masked heads.
-    _decode_kernel[(batch, hkv, num_splits)](
-        q, k, v, mid, mid_lse, table, rows, seq_lens,
+    _decode_kernel[(n, hkv, grid_splits)](
+        q, k, v, mid, mid_lse, table, tokens, rows, seq_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
-        scale, d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=_block_d(d), NUM_SPLITS=num_splits,
+        scale, d, grid_splits, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=_block_d(d), SPLIT_TOKENS=SPLIT_TOKENS, MAX_SPLITS=MAX_DECODE_SPLITS,
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
     )
-    _decode_reduce_kernel[(batch, hq)](mid, mid_lse, out, out.stride(0), out.stride(1), d,
-                                       NUM_SPLITS=num_splits, BLOCK_D=_block_d(d))
+    _decode_reduce_kernel[(n, hq)](mid, mid_lse, out, tokens, seq_lens, out.stride(0), out.stride(1), d,
+                                   grid_splits, SPLIT_TOKENS=SPLIT_TOKENS, MAX_SPLITS=MAX_DECODE_SPLITS,
+                                   BLOCK_D=_block_d(d))
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
