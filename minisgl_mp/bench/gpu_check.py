@@ -408,9 +408,10 @@ def speculative(model: str, device: str, quick: bool, attention_backend: str = "
     overlap scheduling): greedy answers identical to plain decoding, copy-heavy requests one at a
     time and 16 at once plus free text; seeded sampling identical; out tok/s one request at a
     time with and without it (the real model, so that drafts are accepted as in use). In
-    float32: a verify row and a decode row go through different attention kernels, and in
-    16-bit their roundings could part near-tied greedy choices, which says nothing of the
-    verification."""
+    float32: with the triton backend a verify row's attention is a decode row's bit for bit,
+    but the matrix products (cuBLAS) and flashinfer's prefill wrapper are not batch-invariant,
+    and in 16-bit their roundings could part near-tied greedy choices, which says nothing of
+    the verification."""
     from minisgl_mp.bench.spec import timed_generate, workload_prompts
 
     tokens = 16 if quick else 128
@@ -444,7 +445,7 @@ def speculative(model: str, device: str, quick: bool, attention_backend: str = "
         }
         out["ngram" if spec else "plain"] = {
             "copy_one_at_a_time_out_tps": one["output_tps"], "spec_accept_length": one["spec_accept_length"],
-            "overlap": llm.scheduler.overlap,
+            "overlap": llm.scheduler.overlap, "attention_backend": runner.attention_backend,
             "verify_graph_sizes": list(runner.verify_graphs.sizes) if runner.verify_graphs is not None else [],
             "verify_graph_replays": replays["verify_graph"],
         }
