@@ -2,7 +2,7 @@
 
 The product kernel (kernels/csrc/weight_gemm.c, FMT_Q4) against float64 products of the
 dequantized blocks for every vector path this machine can build, from one row (the streaming
-path) through the widened panels (from PANEL_MIN_ROWS rows); quantizing a float weight; a GGUF
+path) through the widened panels (from PANEL_MIN_ROWS_Q4 rows); quantizing a float weight; a GGUF
 file's Q4_1 and Q4_0 tensors held with the file's exact values (the gguf package's dequantized
 tensor, after llama.cpp's q/k row permutation is undone); and the engine on the tiny model
 (quantized at load) and on the shipped SmolLM2 Q4_1 file (its blocks as they are) against
@@ -27,7 +27,7 @@ from minisgl_mp.layers.linear import Linear
 from minisgl_mp.models.gguf import GGUFTensors
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-ROWS = (1, 2, 3, 7, 16, 33, 64)
+ROWS = (1, 2, 3, 4, 5, 7, 16, 33, 64)  # 4 | 5: the tiles | the panels (PANEL_MIN_ROWS_Q4)
 TOL = 1e-3  # logits against transformers' float32 on the same values: float32 sums in another order
 # (in, out): one block; odd channel counts around the register tiles and the panels' units
 # (48 channels on AVX-512); K past one panel block (1024 steps).

@@ -471,6 +471,11 @@ int packed_gemm_unit(void);
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 6
 #endif
+/* int4 widens slowly (nibbles, two scales a block), and 5 rows took the tiles two passes over
+ * the weight (4 rows, then 1): there the panels won on both builds (docs/notes/features.md). */
+#ifndef PANEL_MIN_ROWS_Q4
+#define PANEL_MIN_ROWS_Q4 5
+#endif
 /* Steps of K a panel holds (a multiple of 32: whole int4 blocks): 48 x 1,024 floats, 192 KiB,
  * in L2 while the rows pass over it. */
 #define PANEL_KC 1024
@@ -738,7 +743,7 @@ static inline __attribute__((always_inline)) int gemm_panels(
 #define DEFINE_FMT(NAME, FMT)                                                                     \
     static void NAME(const float *x, int64_t m, int64_t k, const char *w, const float *scale,    \
                      const float *bias, float *y, int64_t ldy, int64_t n) {                       \
-        if (FMT != FMT_F32 && m >= PANEL_MIN_ROWS &&                                              \
+        if (FMT != FMT_F32 && m >= (FMT == FMT_Q4 ? PANEL_MIN_ROWS_Q4 : PANEL_MIN_ROWS) &&       \
             gemm_panels(x, m, k, w, FMT, scale, bias, y, ldy, n) == 0)                            \
             return;                                                                               \
         if (FMT == FMT_Q4 && m == 1 && q4_row1(x, k, w, bias, y, n) == 0) return;               \
