@@ -35,6 +35,29 @@ def _split_count(seq_len, SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _attend_keys(q, K, V, Table, row, stride_table, pos, mask_n, visible, kvh, stride_kt, stride_kh, offs_d,
+                 mask_d, scale, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # One block of keys (pool positions `pos` of page-table row `row`, `mask_n` those in range)
+    # into the online softmax of q's rows: `visible` [rows or 1, BLOCK_N] says which keys each
+    # row sees. Returns the running max, sum of exponentials and unnormalised output.
+    slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
+    kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, BLOCK_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps a finite max, so exp() stays 0, not NaN.
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, Mid, MidLse, Table, Tokens, Rows, SeqLens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
@@ -75,19 +98,9 @@ def _decode_kernel(
         for start in range(lo, hi, BLOCK_N):
             pos = start + offs_n
             mask_n = pos < hi
-            slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
-            kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_keys(q, K, V, Table, row, stride_table, pos, mask_n, mask_n[None, :], kvh,
+                                         stride_kt, stride_kh, offs_d, mask_d, scale, m_i, l_i, acc,
+                                         DOT_DTYPE, DOT_PRECISION)
         # A split without keys (none: SPLIT_TOKENS >= MAX_SPLITS * BLOCK_N, checked at launch)
         # would write 0 and -inf, which the merge weighs 0.
         has_keys = l_i > 0
@@ -166,21 +179,11 @@ def _extend_kernel(
         for start in range(0, end, BLOCK_N):
             pos = start + offs_n
             mask_n = pos < end
-            slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
-            kv_off = slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-            s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows past q_len see no key: keep their max finite so exp() stays 0, not NaN.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            # Causal: each row sees the keys up to its own position.
+            visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _attend_keys(q, K, V, Table, row, stride_table, pos, mask_n, visible, kvh,
+                                         stride_kt, stride_kh, offs_d, mask_d, scale, m_i, l_i, acc,
+                                         DOT_DTYPE, DOT_PRECISION)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
