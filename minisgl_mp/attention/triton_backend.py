@@ -99,19 +99,18 @@ class TritonBackend(AttentionBackend):
         def ints(values: object, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return host_tensor(list(values), dtype, device)
 
+        starts = token_starts(lens)
         queries = None
         if short:
             seq = [prefix[i] + j + 1 for i in short for j in range(lens[i])]
-            if len(short) == layout.batch_size and all(n == 1 for n in lens):  # a decode step
+            if not longer and len(seq) == len(lens):  # a decode step: one query a request, in order
                 tokens, rows = torch.arange(len(lens), device=device), layout.req_slots
             else:
-                starts = token_starts(lens)
                 tokens = ints([starts[i] + j for i in short for j in range(lens[i])], torch.int64)
                 rows = layout.req_slots[ints([i for i in short for _ in range(lens[i])], torch.int64)]
-            queries = QueryRun(tokens, rows, ints(seq), max(map(self.kernels.split_count, seq)))
+            queries = QueryRun(tokens, rows, ints(seq), self.kernels.split_count(max(seq)))
         extend = None
         if longer:
-            starts = token_starts(lens)
             extend = ExtendRun(
                 layout.req_slots[ints(longer, torch.int64)] if short else layout.req_slots,
                 ints(starts[i] for i in longer), ints(lens[i] for i in longer),

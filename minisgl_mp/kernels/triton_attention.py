@@ -101,7 +101,7 @@ def _decode_kernel(
             m_i, l_i, acc = _attend_keys(q, K, V, Table, row, stride_table, pos, mask_n, mask_n[None, :], kvh,
                                          stride_kt, stride_kh, offs_d, mask_d, scale, m_i, l_i, acc,
                                          DOT_DTYPE, DOT_PRECISION)
-        # A split without keys (none: SPLIT_TOKENS >= MAX_SPLITS * BLOCK_N, checked at launch)
+        # A split without keys (none: SPLIT_TOKENS >= MAX_SPLITS * BLOCK_N, checked at import)
         # would write 0 and -inf, which the merge weighs 0.
         has_keys = l_i > 0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -216,6 +216,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 MAX_DECODE_SPLITS = 16
 SPLIT_TOKENS = 512
 DECODE_BLOCK_N = 32
+# Rounding each split up to whole blocks of DECODE_BLOCK_N keys then never leaves the last one empty.
+assert SPLIT_TOKENS >= MAX_DECODE_SPLITS * DECODE_BLOCK_N, "a split could have no keys"
 
 
 def split_count(seq_len: int) -> int:
@@ -237,7 +239,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     group = hq // hkv
-    assert SPLIT_TOKENS >= MAX_DECODE_SPLITS * DECODE_BLOCK_N, "a split could have no keys"
     # Partial results: [N, Hq, splits, D] outputs and [N, Hq, splits] log-sum-exps, float32.
     mid = torch.empty((n, hq, grid_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n, hq, grid_splits), dtype=torch.float32, device=q.device)
