@@ -245,6 +245,35 @@ def test_seeded_request_draws_the_same_tokens_in_any_batch(target: SamplingParam
     assert seeded_run(target, batch, target_row=3) == alone
 
 
+def test_a_row_without_top_p_keeps_every_token_beside_one_with_it() -> None:
+    """Over a real vocabulary (SmolLM2's 49,152 tokens) a float32 running sum of the sorted
+    probabilities reaches 1 before the last tokens; a row that did not ask for top-p must not
+    lose them, nor draw other tokens, because a neighbour in the batch asked for it."""
+    vocab = 49_152
+    probs = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 3, dim=-1)
+    top_p = torch.tensor([1.0, 0.9, 1.0, 1.0])
+    got = sampler_module._top_p(probs, top_p)
+    assert torch.equal(got[[0, 2, 3]], probs[[0, 2, 3]])
+    assert torch.equal(sampler_module._top_p_sorted(probs, top_p)[[0, 2, 3]], probs[[0, 2, 3]])
+    assert 0 < (got[1] > 0).sum() < vocab
+
+    # What that did to draws: 256 seeded requests over 8 steps, without and beside a top-p
+    # row: cutting the tail would move about one draw in 200 of these.
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 4
+
+    def draws(others: list[SamplingParams]) -> list[int]:
+        n = 256
+        reqs = [make_req(SamplingParams(temperature=1.0, seed=s), row=s) for s in range(n)]
+        reqs += [make_req(p, row=n + i) for i, p in enumerate(others)]
+        sampler = Sampler(vocab, CPU, rows=len(reqs))
+        bind_all(sampler, reqs)
+        return [t for _ in range(8) for t in step(sampler, logits.expand(len(reqs), -1).contiguous(), reqs)[:n]]
+
+    alone = draws([])
+    assert len(set(alone)) > 100
+    assert draws([SamplingParams(top_p=0.5)]) == alone
+
+
 def test_top_k_ties_at_the_kth_logit_do_not_make_draws_batch_dependent() -> None:
     # bf16 logits (a bf16 model's, read as float32) tie often; here the 3rd to 5th best tie, so
     # top_k=3 must pick among tied tokens, and must do so the same way whatever the batch.

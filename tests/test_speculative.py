@@ -33,6 +33,7 @@ TIMEOUT = 300  # the first test using a module fixture pays for loading the mode
 PASSAGE = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in the salt wind. "
            "Every night for ninety years its lamp had turned, warning ships away from the rocks below. "
            "The keeper, a quiet man named Thomas, climbed the one hundred and twelve steps at dusk.")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
 COPY = f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is a list in Python?"]
 
@@ -180,6 +181,36 @@ def test_seeded_sampling_is_unchanged(plain: LLM, spec: LLM, prompts: list[list[
     same(got, want)
     same(spec.generate(batch, params), got)
     assert got[0]["usage"].get("spec_verify_ct", 0) > 0
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_mixed_batch_keeps_every_answer_and_seeds_ignore_their_neighbours(plain: LLM, spec: LLM,
+                                                                           prompts: list[list[int]]) -> None:
+    """What a server's batch holds at once: greedy and seeded requests, top-p beside none, a stop
+    string, a bias, log-probabilities and a grammar. Every answer is plain decoding's, and each
+    seeded answer is the one its request gets alone: the rest of the batch changes no tokens."""
+    copy_code = chat_ids(plain, user(f"Repeat the following text exactly, word for word:\n\n{CODE}"))
+    summary = chat_ids(plain, user(f"Summarize:\n\n{CODE}"))
+    the = plain.tokenizer.encode(" the", add_special_tokens=False)[-1]
+    batch = [
+        (prompts[0], SamplingParams(max_tokens=48, temperature=1.0, seed=11)),
+        (copy_code, SamplingParams(max_tokens=64, temperature=1.3, seed=12)),
+        (summary, SamplingParams(max_tokens=64, temperature=1.0, top_p=0.8, seed=13, logprobs=1)),
+        (prompts[1], SamplingParams(max_tokens=48, temperature=1.0, seed=14)),
+        (prompts[2], SamplingParams(max_tokens=32, temperature=0.5, top_k=40, seed=15)),
+        (copy_code, SamplingParams(max_tokens=48, temperature=0, stop=["def mul"], logprobs=2)),
+        (prompts[0], SamplingParams(max_tokens=40, temperature=0, min_tokens=10, logit_bias={the: -100.0})),
+        (prompts[3], SamplingParams(max_tokens=32, temperature=0, regex=r"[A-Z][a-z ]{3,40}\.")),
+    ]
+    ids, params = [b[0] for b in batch], [b[1] for b in batch]
+    want = plain.generate(ids, params)
+    got = spec.generate(ids, params)
+    same(got, want)
+    assert got[1]["usage"].get("spec_verify_ct", 0) > 0, got[1]["usage"]
+    for (one, p), ref in zip(batch, want):
+        if p.seed is not None:
+            same(plain.generate(one, p), [ref])
+    assert_no_leak(spec)
 
 
 @pytest.mark.timeout(TIMEOUT)

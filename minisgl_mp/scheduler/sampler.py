@@ -344,7 +344,10 @@ TOP_P_CANDIDATES = 1024
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero all but the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
+    """Zero all but the smallest set of most likely tokens whose mass reaches top_p (at least
+    one). A row with top_p >= 1 is returned untouched: a float32 running sum of a large
+    vocabulary can reach 1 before its last tokens, and cutting those would make a seeded row's
+    draw depend on whether another row of the batch asked for top-p."""
     k = min(TOP_P_CANDIDATES, probs.shape[1])
     if probs.device.type != "cpu" or k == probs.shape[1]:
         return _top_p_sorted(probs, top_p)
@@ -352,7 +355,9 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     cum = vals.cumsum(dim=-1)
     keep = (cum - vals) < top_p[:, None]  # the mass before each candidate is short of top_p
     out = torch.zeros_like(probs).scatter_(1, order, vals * keep)
-    wide = (cum[:, -1] < top_p).nonzero()[:, 0].tolist()  # (the CPU has no device to wait for)
+    whole = top_p >= 1.0
+    out[whole] = probs[whole]
+    wide = ((cum[:, -1] < top_p) & ~whole).nonzero()[:, 0].tolist()  # (the CPU has no device to wait for)
     if wide:
         idx = torch.tensor(wide)
         out[idx] = _top_p_sorted(probs[idx], top_p[idx])
@@ -361,7 +366,7 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _top_p_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    cut = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
+    cut = ((sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     return probs.masked_fill(torch.zeros_like(cut).scatter_(1, order, cut), 0.0)
 
 
