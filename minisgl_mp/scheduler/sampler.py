@@ -9,8 +9,10 @@ the sampled tokens, so no request's token history crosses to the device per step
 
 Random rows draw by inverse CDF: one uniform number per row, from a counter hash of (the
 request's seed, its output position) computed on the device, against the cumulative sum of its
-probabilities. That draws from p exactly, needs no per-row generator, and a seeded request's
-tokens do not change with the rest of the batch, nor when it is retracted and resumed.
+probabilities. That draws from p exactly and needs no per-row generator. A seeded request's
+uniform draws, and the probabilities they are held against, do not change with the rest of the
+batch, nor when it is retracted and resumed; its tokens follow its logits, whose last bits can
+move when its prompt is chunked another way or its tokens are recomputed after a retraction.
 Requests without a seed get one drawn at admission from the engine's `--seed`.
 """
 
