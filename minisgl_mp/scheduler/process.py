@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -198,8 +199,14 @@ def _join_group(config: ServerConfig, rank: int) -> tuple[ServerConfig, TPGroup]
 
 
 def _body(config: ServerConfig, status: StatusPipe, stop: StopFlag, rank: int) -> None:
+    from tqdm import tqdm
+
     from minisgl_mp.engine.builder import build_scheduler
 
+    # tqdm guards its bars (even disabled ones) with a multiprocessing semaphore, which a
+    # process that crashes (os._exit) leaves to the launcher's resource tracker, which then
+    # warns of a leak. This process draws bars from its own threads only.
+    tqdm.set_lock(threading.RLock())
     group = None
     if config.engine.tp_size > 1:
         config, group = _join_group(config, rank)

@@ -93,6 +93,24 @@ class TokenizerManager:
             state.on_output = None
             state.queue.put_nowait(_Failed(error))
 
+    def fail_all(self, error: Exception) -> int:
+        """End every request still open with `error` (the server is stopping and no more
+        outputs will come): each one's client gets it as its reply instead of waiting."""
+        open_rids = [rid for rid, state in self.states.items() if not state.finished]
+        for rid in open_rids:
+            self.fail(rid, error)
+        return len(open_rids)
+
+    async def close(self, grace: float) -> None:
+        """Let background sends (aborts, admin replies) finish for up to `grace` seconds, then
+        cancel the rest, so none of them runs after the sockets close."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
+        pending = list(self._tasks)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
     async def run_dispatch(self) -> None:
         """Route outputs from the detokenizer until cancelled."""
         while True:

@@ -15,6 +15,8 @@ from minisgl_mp.utils.process import StatusPipe, StopFlag, child_main
 logger = logging.getLogger("minisgl_mp.tokenizer")
 # After the abort at the end of a drain: how long the "abort" replies get to reach their clients.
 ABORT_GRACE_S = 2.0
+# The reply of a request still open when the tokenizer process stops.
+STOPPED_MESSAGE = "the server stopped before this request finished (its log says why)"
 
 
 async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> None:
@@ -25,6 +27,7 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
     from minisgl_mp.message.transport import AsyncPullQueue, AsyncPushQueue
     from minisgl_mp.server.metrics import Metrics
     from minisgl_mp.tokenizer.manager import TokenizerManager
+    from minisgl_mp.tokenizer.requests import RequestError
     from minisgl_mp.tokenizer.zmq_frontend import ZmqFrontend
 
     tokenizer = load_tokenizer(config.model.tokenizer_dir)
@@ -61,16 +64,23 @@ async def _serve(config: ServerConfig, status: StatusPipe, stop: StopFlag) -> No
             timeout = 0.0 if stop.mode == "abort" else config.server.shutdown_timeout
             await _drain(manager, timeout, tasks, stop)
     finally:
-        # Refuse new requests, let the HTTP server close its connections, and only then stop
-        # routing and close the sockets (requests still open get aborted on the way).
+        # Refuse new requests; fail those still open (a process died, or the drain was cut
+        # short: no more outputs will come), so every client gets a reply rather than waiting
+        # for its own timeout; let the HTTP server send those and close its connections; only
+        # then stop routing and close the sockets (the failed requests' aborts go out first).
         manager.stopping = True
+        left = manager.fail_all(RequestError(STOPPED_MESSAGE, kind="unavailable"))
+        if left:
+            logger.warning("shutting down: %d request(s) still open failed with %r", left, STOPPED_MESSAGE)
+        await zmq_frontend.settle(timeout=1.0)
         if http_server is not None:
             http_server.should_exit = True
             await asyncio.wait([tasks[-1]], timeout=2.0)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.sleep(0)  # let pending abort sends go out before the sockets close
+        await zmq_frontend.settle(timeout=0.0)
+        await manager.close(grace=0.5)
         zmq_frontend.close()
         from_detok.close()
         for q in to_scheds:

@@ -203,5 +203,16 @@ class ZmqFrontend:
             if not tasks:
                 del self.tasks[identity]
 
+    async def settle(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the request tasks to send their last replies, then
+        cancel those still running (their requests are aborted on the way)."""
+        running = [t for per_client in self.tasks.values() for t in per_client.values()]
+        if running and timeout > 0:
+            await asyncio.wait(running, timeout=timeout)
+        left = [t for t in running if not t.done()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+
     def close(self) -> None:
         self.sock.close(linger=0)
