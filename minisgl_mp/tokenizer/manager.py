@@ -104,12 +104,7 @@ class TokenizerManager:
     async def close(self, grace: float) -> None:
         """Let background sends (aborts, admin replies) finish for up to `grace` seconds, then
         cancel the rest, so none of them runs after the sockets close."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=grace)
-        pending = list(self._tasks)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await finish_or_cancel(list(self._tasks), grace)
 
     async def run_dispatch(self) -> None:
         """Route outputs from the detokenizer until cancelled."""
@@ -329,6 +324,17 @@ class TokenizerManager:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def finish_or_cancel(tasks: list[asyncio.Task[Any]], timeout: float) -> None:
+    """Give `tasks` up to `timeout` seconds to end, then cancel those still running and wait
+    for them to unwind."""
+    if tasks and timeout > 0:
+        await asyncio.wait(tasks, timeout=timeout)
+    left = [t for t in tasks if not t.done()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
 
 
 def merge_replies(rid: str, replies: list[AdminReply]) -> AdminReply:

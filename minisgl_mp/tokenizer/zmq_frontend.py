@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from minisgl_mp.message.codec import WireError, unpack_map
 from minisgl_mp.message.messages import TextOut
-from minisgl_mp.tokenizer.manager import TokenizerManager
+from minisgl_mp.tokenizer.manager import TokenizerManager, finish_or_cancel
 from minisgl_mp.tokenizer.requests import ADMIN_COMMANDS, RequestError, check_rid, parse_generate
 
 logger = logging.getLogger("minisgl_mp.tokenizer.zmq")
@@ -206,13 +206,7 @@ class ZmqFrontend:
     async def settle(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for the request tasks to send their last replies, then
         cancel those still running (their requests are aborted on the way)."""
-        running = [t for per_client in self.tasks.values() for t in per_client.values()]
-        if running and timeout > 0:
-            await asyncio.wait(running, timeout=timeout)
-        left = [t for t in running if not t.done()]
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+        await finish_or_cancel([t for per_client in self.tasks.values() for t in per_client.values()], timeout)
 
     def close(self) -> None:
         self.sock.close(linger=0)
